@@ -1,0 +1,62 @@
+"""wsum64: the per-chunk checksum, computable identically on the CPU and on the GPU.
+
+Definition: pad the chunk's stored bytes with zeros to a multiple of 4, read them as
+little-endian uint32 words w_0..w_{n-1}, and take
+
+    wsum64 = sum_i (2*i + 1) * w_i   (mod 2**64)
+
+Every term is below 2**51, so a GPU computes it exactly with int64 elementwise products and a
+sum (wrapping mod 2**64 as uint64 does), with no custom kernel: it runs on the chunk slab right
+after compression, before the bytes leave the GPU. Odd weights make every single-bit and
+every single-word error change the sum, and a swap of two different words changes it too;
+truncation is caught separately by the stored size. It is an integrity check against
+corruption, not a cryptographic hash. Zero padding adds nothing, so the checksum of a chunk
+equals that of its 4 KiB-aligned stored extent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NAME = "wsum64"
+_MASK64 = (1 << 64) - 1
+_weights_cache: dict[int, np.ndarray] = {}
+
+
+def _weights(n: int) -> np.ndarray:
+    w = _weights_cache.get(n)
+    if w is None:
+        w = np.arange(1, 2 * n, 2, dtype=np.uint64)
+        if n <= (64 << 20) // 4:
+            _weights_cache[n] = w
+    return w
+
+
+def wsum64(data: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """Checksum of a buffer on the CPU."""
+    buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    tail = len(buf) % 4
+    if tail:
+        buf = np.concatenate([buf, np.zeros(4 - tail, dtype=np.uint8)])
+    words = buf.view("<u4").astype(np.uint64)
+    if words.size == 0:
+        return 0
+    return int(np.dot(words, _weights(words.size))) & _MASK64
+
+
+def wsum64_rows_torch(rows, valid_words: int | None = None):
+    """wsum64 of each row of a (k, stride) uint8 CUDA tensor whose bytes past each chunk are zero.
+
+    Returns an int64 tensor of k checksums (reinterpret as uint64). Runs on the current stream.
+    """
+    import torch
+
+    k, stride = rows.shape
+    n = stride // 4 if valid_words is None else valid_words
+    words = rows.view(torch.int32)[:, :n].to(torch.int64) & 0xFFFFFFFF
+    weights = torch.arange(1, 2 * n, 2, dtype=torch.int64, device=rows.device)
+    return (words * weights).sum(dim=1)
+
+
+def to_u64(value: int) -> int:
+    return value & _MASK64

@@ -1,0 +1,297 @@
+"""YAML -> frozen, validated configuration.
+
+Parsed once at the edge: every later component reads typed attributes, never strings by key.
+Any unknown key, wrong type or impossible value raises ConfigError naming the file and the
+field path, e.g. ``cluster.yaml: tiers[1].bandwidth: expected a bandwidth such as '12GB/s'``.
+
+Relative paths in a config are resolved against the current working directory, so the
+embedded default (``./.tiered/...``) lands beside the training script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import yaml
+
+from tiered.errors import ConfigError
+from tiered.units import parse_bandwidth, parse_size
+
+CONFIG_VERSION = 1
+CODEC_NAMES = ("ans", "zstd", "none")
+CPU_DECODABLE_CODECS = ("zstd", "none")
+_MIN_CHUNK = 64 * 1024
+_MAX_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budgets:
+    """Memory the engine may hold between `save()` returning and the bytes being durable."""
+
+    gpu_buffer: int = 4 * 1024**3
+    """Compressed chunks held on each GPU until written (one slab, reused across saves)."""
+    pack_buffer: int = 256 * 1024**2
+    """GPU buffer in which tensors are packed for one batched codec call (reused)."""
+    host_buffer: int = 8 * 1024**3
+    """Host memory: pinned spill of compressed GPU chunks plus snapshots of CPU tensors."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZstdSettings:
+    level: int = 3
+    threads: int = 0
+    """CPU threads for the CPU zstd implementation; 0 means one per core."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    name: str
+    kind: str
+    codec: str
+    portable: bool = False
+    """Only codecs that a CPU can decode are allowed (restorable without a GPU)."""
+    bandwidth: float | None = None
+    """Bytes/s; optional hint for codec policy (probed when absent)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTierConfig(TierConfig):
+    """Node-local NVMe: GPU buffers go through KvikIO (GDS or its compat mode)."""
+
+    path: Path
+    direct_io: str = "auto"
+    """O_DIRECT for host-buffer writes: "auto" (when the filesystem supports it), "on", "off"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PosixTierConfig(TierConfig):
+    """A shared POSIX filesystem (Lustre, GPFS, NFS)."""
+
+    path: Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3TierConfig(TierConfig):
+    """An S3 bucket. Credentials come only from the standard AWS chain, never from YAML."""
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    source: str
+    chunk_size: int = 1024 * 1024
+    budgets: Budgets = Budgets()
+    zstd: ZstdSettings = ZstdSettings()
+    tiers: tuple[TierConfig, ...]
+
+    @property
+    def fast_tier(self) -> LocalTierConfig:
+        tier = self.tiers[0]
+        assert isinstance(tier, LocalTierConfig)
+        return tier
+
+
+ConfigInput = Union[str, os.PathLike, Mapping[str, Any], None]
+
+
+def default_config_text() -> str:
+    """The embedded default (configs/local.yaml in the repository)."""
+    return resources.files("tiered").joinpath("configs/local.yaml").read_text()
+
+
+def load_config(source: ConfigInput = None) -> Config:
+    """Config from a YAML path, an already-parsed dict, or None for the embedded default."""
+    if source is None:
+        return _parse(yaml.safe_load(default_config_text()), "<embedded configs/local.yaml>")
+    if isinstance(source, Mapping):
+        return _parse(source, "<dict>")
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        loc = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        raise ConfigError(f"{path}: invalid YAML{loc}: {getattr(exc, 'problem', exc)}") from None
+    return _parse(data, str(path))
+
+
+class _Fields:
+    """Reads one mapping, remembering which keys were consumed, so leftovers are errors."""
+
+    def __init__(self, data: object, source: str, where: str):
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: {where or 'top level'}: expected a mapping, got {_kind(data)}")
+        self.data, self.source, self.where, self.seen = data, source, where, set()
+
+    def field(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def error(self, key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.field(key)}: {msg}")
+
+    def get(self, key: str, default: Any = ..., *, required: bool = False) -> Any:
+        self.seen.add(key)
+        if key not in self.data:
+            if required:
+                raise self.error(key, "is required")
+            return default
+        return self.data[key]
+
+    def typed(self, key: str, types: type | tuple[type, ...], default: Any = ..., **kw: Any) -> Any:
+        value = self.get(key, default, **kw)
+        if value is default:
+            return value
+        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            raise self.error(key, f"expected {_names(types)}, got a boolean")
+        if not isinstance(value, types):
+            raise self.error(key, f"expected {_names(types)}, got {_kind(value)} {value!r}")
+        return value
+
+    def size(self, key: str, default: int) -> int:
+        value = self.get(key, default)
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise self.error(key, str(exc)) from None
+
+    def finish(self) -> None:
+        unknown = sorted(str(k) for k in self.data if k not in self.seen)
+        if unknown:
+            raise self.error(unknown[0], f"unknown field (known here: {', '.join(sorted(self.seen))})")
+
+
+def _kind(value: object) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", int: "an integer",
+            float: "a number", bool: "a boolean", type(None): "nothing"}.get(type(value), type(value).__name__)
+
+
+def _names(types: type | tuple[type, ...]) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join({str: "a string", int: "an integer", float: "a number", bool: "true/false",
+                        list: "a list", dict: "a mapping"}.get(t, t.__name__) for t in types)
+
+
+def _parse(data: object, source: str) -> Config:
+    if data is None:
+        raise ConfigError(f"{source}: the config is empty")
+    top = _Fields(data, source, "")
+    version = top.typed("version", int, CONFIG_VERSION)
+    if version != CONFIG_VERSION:
+        raise top.error("version", f"unsupported config version {version} (this tiered reads {CONFIG_VERSION})")
+    chunk_size = top.size("chunk_size", 1024 * 1024)
+    if not (_MIN_CHUNK <= chunk_size <= _MAX_CHUNK) or chunk_size % 4096:
+        raise top.error("chunk_size", f"must be a multiple of 4KiB between 64KiB and 64MiB, got {chunk_size}")
+    budgets = _parse_budgets(top.get("budgets", {}), source, chunk_size)
+    zstd = _parse_codecs(top.get("codecs", {}), source)
+    raw_tiers = top.typed("tiers", list, required=True)
+    top.finish()
+    if not raw_tiers:
+        raise top.error("tiers", "needs at least one tier (the first is the fast, node-local tier)")
+    tiers = tuple(_parse_tier(t, source, f"tiers[{i}]") for i, t in enumerate(raw_tiers))
+    if not isinstance(tiers[0], LocalTierConfig):
+        raise ConfigError(f"{source}: tiers[0].kind: the first tier must be kind 'local' (node-local NVMe)")
+    names = [t.name for t in tiers]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"{source}: tiers[{i}].name: duplicate tier name {name!r}")
+    return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, tiers=tiers)
+
+
+def _parse_budgets(data: object, source: str, chunk_size: int) -> Budgets:
+    f = _Fields(data, source, "budgets")
+    d = Budgets()
+    b = Budgets(gpu_buffer=f.size("gpu_buffer", d.gpu_buffer),
+                pack_buffer=f.size("pack_buffer", d.pack_buffer),
+                host_buffer=f.size("host_buffer", d.host_buffer))
+    f.finish()
+    for name in ("gpu_buffer", "pack_buffer", "host_buffer"):
+        # Smallest workable budget: a few chunks, so that waves still make progress.
+        if getattr(b, name) < 4 * chunk_size:
+            raise f.error(name, f"must hold at least 4 chunks ({4 * chunk_size} bytes), got {getattr(b, name)}")
+    return b
+
+
+def _parse_codecs(data: object, source: str) -> ZstdSettings:
+    f = _Fields(data, source, "codecs")
+    zf = _Fields(f.get("zstd", {}), source, "codecs.zstd")
+    f.finish()
+    level = zf.typed("level", int, 3)
+    threads = zf.typed("threads", int, 0)
+    zf.finish()
+    if not 1 <= level <= 19:
+        raise zf.error("level", f"must be 1..19 (levels GPU nvCOMP decodes too), got {level}")
+    if threads < 0:
+        raise zf.error("threads", f"must be >= 0 (0 = one per core), got {threads}")
+    return ZstdSettings(level=level, threads=threads)
+
+
+_TIER_DEFAULT_CODEC = {"local": "ans", "posix": "zstd", "s3": "zstd"}
+
+
+def _parse_tier(data: object, source: str, where: str) -> TierConfig:
+    f = _Fields(data, source, where)
+    name = f.typed("name", str, required=True)
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise f.error("name", f"use letters, digits, '-' and '_' only, got {name!r}")
+    kind = f.typed("kind", str, required=True)
+    if kind not in _TIER_DEFAULT_CODEC:
+        raise f.error("kind", f"unknown tier kind {kind!r} (known: {', '.join(_TIER_DEFAULT_CODEC)})")
+    portable = f.typed("portable", bool, kind != "local")
+    codec = f.typed("codec", str, _TIER_DEFAULT_CODEC[kind])
+    if codec not in CODEC_NAMES:
+        raise f.error("codec", f"unknown codec {codec!r} (known: {', '.join(CODEC_NAMES)})")
+    if portable and codec not in CPU_DECODABLE_CODECS:
+        raise f.error("codec", f"tier is portable: true, but {codec!r} needs a GPU to decode "
+                               f"(use one of {', '.join(CPU_DECODABLE_CODECS)})")
+    bandwidth = f.get("bandwidth", None)
+    if bandwidth is not None:
+        try:
+            bandwidth = parse_bandwidth(bandwidth)
+        except ValueError as exc:
+            raise f.error("bandwidth", str(exc)) from None
+    common = dict(name=name, kind=kind, codec=codec, portable=portable, bandwidth=bandwidth)
+    if kind in ("local", "posix"):
+        path = f.typed("path", str, required=True)
+        if not path.strip():
+            raise f.error("path", "must not be empty")
+        if kind == "local":
+            direct_io = f.typed("direct_io", str, "auto")
+            if direct_io not in ("auto", "on", "off"):
+                raise f.error("direct_io", f"expected auto, on or off, got {direct_io!r}")
+            tier: TierConfig = LocalTierConfig(path=Path(path).expanduser(), direct_io=direct_io, **common)
+        else:
+            tier = PosixTierConfig(path=Path(path).expanduser(), **common)
+    else:
+        for secret in ("aws_access_key_id", "aws_secret_access_key", "access_key", "secret_key",
+                       "aws_session_token", "credentials"):
+            if secret in f.data:
+                raise f.error(secret, "credentials are never read from YAML: use the standard AWS chain "
+                                      "(environment, ~/.aws/credentials with `profile`, instance role)")
+        bucket = f.typed("bucket", str, required=True)
+        if not bucket:
+            raise f.error("bucket", "must not be empty")
+        tier = S3TierConfig(bucket=bucket, prefix=f.typed("prefix", str, "").strip("/"),
+                            endpoint_url=f.typed("endpoint_url", str, None),
+                            region=f.typed("region", str, None), profile=f.typed("profile", str, None),
+                            **common)
+    f.finish()
+    return tier
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    """A copy of `config` with some top-level fields changed (config objects are frozen)."""
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,105 @@
+"""The CPU half of save and restore: snapshot copies, multi-threaded chunk codecs, checksums.
+
+Used for CPU tensors, and for every tensor on machines without a GPU codec. Codec calls run on
+a thread pool (zstandard and numpy release the GIL), one chunk per task.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from tiered.checksum import wsum64
+from tiered.codecs import get_codec
+from tiered.config import ZstdSettings
+from tiered.errors import CodecUnavailableError, CorruptionError
+from tiered.format import ALIGNMENT, TensorRecord
+from tiered.plan import ChunkRef, TensorPlan, pieces
+from tiered.staging import HostPool
+from tiered.units import round_up
+
+
+@dataclass
+class RawSegment:
+    """Uncompressed snapshot bytes of consecutive chunks, in host pool pages."""
+
+    chunks: list[ChunkRef]
+    raw: torch.Tensor
+    release: Callable[[], None]
+
+
+def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
+             emit: Callable[[RawSegment], None]) -> None:
+    """Copy CPU (or, without GPU codecs, CUDA) tensors into host staging, emitting segments.
+
+    Blocks while the host budget is held by earlier segments (backpressure); a tensor larger
+    than the budget is staged in pieces, each written before the next is copied.
+    """
+    chunks = [ChunkRef(p, j) for p in plans for j in range(p.nchunks)]
+    if not chunks:
+        return
+    host.reserve(sum(c.raw_size for c in chunks))
+    assert host.ring is not None
+    per_wave = max(1, (host.ring.rows * host.page) // chunk_size)
+    for w in range(0, len(chunks), per_wave):
+        wave = chunks[w:w + per_wave]
+        nbytes = sum(c.raw_size for c in wave)
+        page = host.ring.acquire(min(host.pages(nbytes), host.ring.rows))
+        raw = host.view(page, nbytes)
+        pos = 0
+        for plan, j0, n in pieces(wave):
+            lo = j0 * chunk_size
+            hi = min(plan.nbytes, (j0 + n) * chunk_size)
+            src = plan.tensor.reshape(-1).view(torch.uint8) if plan.tensor.is_contiguous() else \
+                plan.tensor.contiguous().reshape(-1).view(torch.uint8)
+            raw[pos:pos + hi - lo].copy_(src[lo:hi])
+            pos += hi - lo
+        emit(RawSegment(wave, raw, lambda p=page: host.ring.release(p)))
+
+
+def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSettings) -> list[tuple[memoryview, int, int]]:
+    """[(padded stored extent, stored size, checksum)] for each chunk of the segment, in order."""
+    buf = seg.raw.numpy()
+    starts = np.cumsum([0] + [c.raw_size for c in seg.chunks])
+
+    def one(i: int) -> tuple[memoryview, int, int]:
+        c = seg.chunks[i]
+        stored = get_codec(c.plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]]))
+        padded = bytearray(round_up(len(stored), ALIGNMENT))
+        padded[:len(stored)] = stored
+        return memoryview(padded), len(stored), wsum64(stored)
+
+    return list(pool.map(one, range(len(seg.chunks))))
+
+
+def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
+                  settings: ZstdSettings, chunk_size: int) -> None:
+    """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes)."""
+    if not rec.chunks:
+        return
+    first, last = rec.chunks[0], rec.chunks[-1]
+    data = reader.read_host(first.offset, last.offset + last.extent - first.offset)
+    codec = get_codec(rec.codec, settings)
+
+    def one(j: int) -> None:
+        c = rec.chunks[j]
+        stored = data[c.offset - first.offset:c.offset - first.offset + c.size]
+        got = wsum64(stored)
+        if got != c.checksum:
+            raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes "
+                                  f"{c.offset}..{c.offset + c.size}): corrupted: stored {c.checksum:016x}, "
+                                  f"computed {got:016x}")
+        try:
+            codec.decode_chunk(stored, c.raw_size, memoryview(out[j * chunk_size:j * chunk_size + c.raw_size]))
+        except (CorruptionError, CodecUnavailableError):
+            raise
+        except Exception as exc:  # zstd errors, size mismatches: the stored bytes are not what was written
+            raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)}: "
+                                  f"corrupted: {rec.codec.name} decode failed: {exc}") from None
+
+    for f in [pool.submit(one, j) for j in range(len(rec.chunks))]:
+        f.result()

@@ -1,0 +1,493 @@
+"""Engine: save / restore / latest_step / steps / wait / close.
+
+`save()` plans the state, stages it (GPU: packed and compressed on a side stream, the compressed
+copy being the snapshot; CPU: copied into host staging) and returns. A single background writer
+thread then turns each staged segment into aligned extents of the rank's data file, fsyncs it,
+writes the index, and commits the manifest. Its failures are kept and re-raised by the next
+`save()` or `wait()`; the failed step never becomes visible because its manifest is never written.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from tiered import checksum, cpu, tree
+from tiered.codecs import get_codec_class
+from tiered.config import Config, ConfigInput, load_config
+from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, FormatError,
+                           StateDictError, TieredError)
+from tiered.format import (ALIGNMENT, MAX_INDEX_BYTES, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
+                           data_file_name, dtype_name, index_file_name)
+from tiered.plan import SavePlan, TensorPlan, make_plan
+from tiered.staging import HostPool
+from tiered.tiers.local import LocalTier
+from tiered.units import format_size, round_up
+
+log = logging.getLogger("tiered")
+_END = object()
+
+
+class _Abort:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+@dataclass
+class SaveHandle:
+    """What `save()` returns. Two moments, two futures:
+
+    - ``staged``: the state may change again (GPU: compression has read the tensors).
+    - ``persisted``: the step is durable and committed on the fast tier (result: its Manifest).
+    """
+
+    step: int
+    staged: Future = field(default_factory=Future)
+    persisted: Future = field(default_factory=Future)
+    stall_s: float = 0.0
+    """Time `save()` blocked the caller."""
+    raw_bytes: int = 0
+
+    def wait(self, timeout: float | None = None) -> Manifest:
+        """Block until persisted; return the committed manifest or raise the failure."""
+        return self.persisted.result(timeout)
+
+    def done(self) -> bool:
+        return self.persisted.done()
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.persisted.result()
+
+
+@dataclass
+class _Job:
+    step: int
+    skeleton: Any
+    plan: SavePlan
+    handle: SaveHandle
+    device_io: bool
+    segments: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    """Checkpoint engine for one process (rank 0 of a world of 1 until torch.distributed support).
+
+    Use as a context manager, or call `close()`: it waits for in-flight saves.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        fast = config.fast_tier
+        self.tier = LocalTier(fast.name, fast.path, fast.direct_io)
+        self.rank, self.world_size = 0, 1
+        self._gpu_ready = _gpu_stack_available()
+        if torch.cuda.is_available() and not self._gpu_ready:
+            log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
+                        "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
+        if len(config.tiers) > 1:
+            log.warning("tiered: tiers %s are configured, but this version writes only the fast tier %r; "
+                        "migration down the tiers is not implemented yet",
+                        [t.name for t in config.tiers[1:]], fast.name)
+        threads = config.zstd.threads or os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
+        self._host = HostPool(config.budgets.host_buffer, page=4096)
+        self._devices: dict[int, Any] = {}
+        self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
+        self._inflight: dict[int, SaveHandle] = {}
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def from_config(cls, source: ConfigInput = None) -> "Engine":
+        """An engine from a YAML path, a dict, or None for the embedded default (configs/local.yaml)."""
+        return cls(load_config(source))
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(raise_errors=exc_type is None)
+
+    # --- queries -------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps on the fast tier, ascending."""
+        return self.tier.steps()
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # --- save ----------------------------------------------------------------------------
+    def save(self, step: int, state_dict: Any) -> SaveHandle:
+        """Snapshot `state_dict` as `step` and return once it may change again.
+
+        Raises the failure of an earlier save's background work, if any, before starting.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_background_error()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        with self._lock:
+            if step in self._inflight:
+                raise TieredError(f"step {step} is already being saved")
+        skeleton, leaves = tree.flatten(state_dict)
+        plan = make_plan(leaves, self.config.fast_tier.codec, self.config.chunk_size, self._gpu_ready)
+        self.tier.begin_step(step)
+        handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
+        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu))
+        with self._lock:
+            self._inflight[step] = handle
+        self._jobs.put(job)
+        events = []
+        try:
+            for index, plans in plan.gpu.items():
+                events.append(self._device(index).stage(plans, job.segments.put))
+            cpu.snapshot(plan.cpu, self._host, self.config.chunk_size, job.segments.put)
+        except BaseException as exc:
+            job.segments.put(_Abort(exc))
+            raise
+        job.segments.put(_END)
+        if events:
+            threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
+        else:
+            handle.staged.set_result(step)
+        handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def wait(self) -> None:
+        """Wait for every in-flight save to be persisted; raise the first background failure."""
+        while True:
+            with self._lock:
+                pending = list(self._inflight.values())
+            if not pending:
+                break
+            for h in pending:
+                try:
+                    h.persisted.result()
+                except BaseException:  # noqa: BLE001 - recorded in self._error, raised below
+                    pass
+        self._raise_background_error()
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for in-flight saves, stop the writer, free staging memory."""
+        if self._closed:
+            return
+        try:
+            if raise_errors:
+                self.wait()
+            else:
+                with self._lock:
+                    pending = list(self._inflight.values())
+                for h in pending:
+                    h.persisted.exception()
+        finally:
+            self._closed = True
+            self._jobs.put(None)
+            self._writer.join()
+            self._pool.shutdown()
+            self._devices.clear()
+
+    # --- restore -------------------------------------------------------------------------
+    def restore(self, state_dict: Any, step: int | None = None, *, strict: bool = True) -> int:
+        """Load `step` (default: the latest committed) into `state_dict` in place; return the step.
+
+        Tensors present in `state_dict` receive the stored bytes where they are (GPU tensors are
+        decoded on their GPU); entries missing from it (a fresh optimizer's state, say) are
+        created on the device they were saved from, or the CPU. With `strict`, a tensor in
+        `state_dict` that the checkpoint lacks is an error.
+        """
+        self._check_open()
+        self._raise_background_error()
+        step = self._resolve_step(step)
+        loaded = self._load(step, state_dict, strict=strict, device=None)
+        tree.merge_into(state_dict, loaded)
+        return step
+
+    def load(self, step: int | None = None, *, device: str | torch.device | None = None) -> Any:
+        """A fresh copy of a step's state (default: latest), tensors on `device` or where they were saved."""
+        self._check_open()
+        return self._load(self._resolve_step(step), {}, strict=False,
+                          device=torch.device(device) if device is not None else None)
+
+    def _resolve_step(self, step: int | None) -> int:
+        if step is None:
+            latest = self.latest_step()
+            if latest is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in tier {self.tier.name!r} ({self.tier.root})")
+            return latest
+        if not self.tier.has_step(step):
+            steps = self.steps()
+            raise CheckpointNotFoundError(f"step {step} is not committed in tier {self.tier.name!r} ({self.tier.root}); "
+                                          f"committed steps: {_summarize(steps)}")
+        return step
+
+    def read_index(self, step: int) -> tuple[Manifest, RankIndex]:
+        source = self.tier.describe(step, "MANIFEST.json")
+        manifest = Manifest.from_json(self.tier.read_manifest(step), source)
+        if manifest.step != step:
+            raise FormatError(f"{source}: manifest says step {manifest.step}")
+        entry = next(r for r in manifest.ranks if r.rank == self.rank)
+        raw = self.tier.read_file(step, entry.index_file, MAX_INDEX_BYTES)
+        index_source = self.tier.describe(step, entry.index_file)
+        if len(raw) != entry.index_bytes or checksum.wsum64(raw) != entry.index_checksum:
+            raise FormatError(f"{index_source}: index does not match the manifest's size/checksum (corrupted)")
+        index = RankIndex.from_json(raw, index_source)
+        if index.data_file != entry.data_file or index.data_bytes != entry.data_bytes:
+            raise FormatError(f"{index_source}: index and manifest disagree about the data file")
+        return manifest, index
+
+    def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None) -> Any:
+        _, index = self.read_index(step)
+        _, leaves = tree.flatten(target)
+        targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
+        dests: dict[int, torch.Tensor] = {}
+        for rec in index.tensors:
+            leaf = targets.pop(rec.name, None)
+            if leaf is not None:
+                t = leaf.tensor
+                if t.dtype != rec.torch_dtype or tuple(t.shape) != rec.shape:
+                    raise StateDictError(f"{rec.name}: step {step} stores {rec.dtype}{list(rec.shape)}, but the "
+                                         f"state_dict has {dtype_name(t.dtype)}{list(t.shape)}")
+                if not leaf.is_numpy:
+                    dests[rec.index] = t
+                    continue
+            where = device or (leaf.tensor.device if leaf is not None else _saved_device(rec.device))
+            dests[rec.index] = torch.empty(rec.shape, dtype=rec.torch_dtype, device=where)
+        if strict and targets:
+            raise StateDictError(f"step {step} has no entry for {_summarize(sorted(targets))} of the given state_dict "
+                                 "(pass strict=False to leave them as they are)")
+        self._decode(step, index, dests)
+        numpy_leaves = {rec.index for rec in index.tensors if rec.is_numpy}
+        try:
+            return tree.decode(index.skeleton,
+                               lambda i: dests[i].numpy() if i in numpy_leaves else dests[i])
+        except (ValueError, KeyError) as exc:
+            raise FormatError(f"{self.tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
+
+    def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor]) -> None:
+        by_gpu: dict[int, list[tuple[TensorRecord, torch.Tensor]]] = {}
+        on_cpu: list[tuple[TensorRecord, torch.Tensor]] = []
+        for rec in index.tensors:
+            dst = dests[rec.index]
+            cls = get_codec_class(rec.codec.name)
+            if not cls.cpu_capable and not self._gpu_ready:
+                raise CodecUnavailableError(
+                    f"{self.tier.describe(step, index.data_file)}: tensor {rec.name!r} is stored with codec "
+                    f"{rec.codec.name!r}, which needs an NVIDIA GPU with nvCOMP to decode. Restore on a GPU "
+                    "machine, or from a tier holding a CPU-decodable copy (zstd).")
+            if self._gpu_ready and cls.gpu_capable and (dst.is_cuda or not cls.cpu_capable):
+                by_gpu.setdefault(dst.device.index if dst.is_cuda else torch.cuda.current_device(), []).append((rec, dst))
+            else:
+                on_cpu.append((rec, dst))
+        host_reader = self.tier.open_data_reader(step, index.data_file, device=False)
+        try:
+            if host_reader.size != index.data_bytes:
+                raise FormatError(f"{host_reader.path}: data file has {host_reader.size} bytes, the index says "
+                                  f"{index.data_bytes} (truncated or replaced)")
+            for rec, dst in on_cpu:
+                if dst.device.type == "cpu" and dst.is_contiguous():
+                    out = dst.reshape(-1).view(torch.uint8).numpy()
+                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size)
+                else:
+                    out = np.empty(rec.nbytes, dtype=np.uint8)
+                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size)
+                    dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
+        finally:
+            host_reader.close()
+        for dev, items in by_gpu.items():
+            reader = self.tier.open_data_reader(step, index.data_file, device=True)
+            try:
+                self._device(dev).restore(items, reader, index.chunk_size)
+            finally:
+                reader.close()
+
+    # --- internals -----------------------------------------------------------------------
+    def _device(self, index: int):
+        dev = self._devices.get(index)
+        if dev is None:
+            from tiered.gpu import GpuDevice
+
+            dev = self._devices[index] = GpuDevice(index, self.config.chunk_size, self.config.budgets,
+                                                  self.config.zstd, self._host)
+        return dev
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TieredError("this Engine is closed")
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                manifest = self._write(job)
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
+                _drain(job)
+                err = BackgroundSaveError(job.step, exc)
+                log.error("tiered: %s", err)
+                with self._lock:
+                    self._error = self._error or err
+                    self._inflight.pop(job.step, None)
+                if not job.handle.staged.done():
+                    job.handle.staged.set_exception(err)
+                job.handle.persisted.set_exception(err)
+                continue
+            with self._lock:
+                self._inflight.pop(job.step, None)
+            job.handle.persisted.set_result(manifest)
+
+    def _write(self, job: _Job) -> Manifest:
+        data_name = data_file_name(self.rank)
+        writer = self.tier.open_data_writer(job.step, data_name, device=job.device_io)
+        chunks: dict[int, list[ChunkRecord]] = {p.index: [] for p in job.plan.all}
+        order: list[int] = []
+        end = 0
+
+        def place(ref: Any, size: int, crc: int) -> int:
+            """Next aligned offset in the data file for chunk `ref`; records it."""
+            nonlocal end
+            offset = end
+            if not chunks[ref.plan.index]:
+                order.append(ref.plan.index)
+            chunks[ref.plan.index].append(ChunkRecord(offset, size, ref.raw_size, crc))
+            end += round_up(size, ALIGNMENT)
+            return offset
+
+        try:
+            while True:
+                seg = job.segments.get()
+                if seg is _END:
+                    break
+                if isinstance(seg, _Abort):
+                    raise TieredError(f"staging failed: {seg.exc!r}")
+                if isinstance(seg, cpu.RawSegment):
+                    try:
+                        encoded = cpu.encode_segment(seg, self._pool, self.config.zstd)
+                    finally:
+                        seg.release()
+                    for ref, (padded, size, crc) in zip(seg.chunks, encoded):
+                        writer.write_host(place(ref, size, crc), padded)
+                else:
+                    try:
+                        _write_rows(seg, writer, place)
+                    finally:
+                        seg.release()
+            data_bytes = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        plans = {p.index: p for p in job.plan.all}
+        ordered = [i for i in plans if not chunks[i]] + order
+        index = RankIndex(
+            rank=self.rank, data_file=data_name, data_bytes=data_bytes, chunk_size=self.config.chunk_size,
+            skeleton=job.skeleton, io=writer.io_mode,
+            tensors=tuple(TensorRecord(index=i, name=plans[i].name, dtype=dtype_name(plans[i].tensor.dtype),
+                                       shape=tuple(plans[i].tensor.shape), device=str(plans[i].tensor.device),
+                                       is_numpy=plans[i].is_numpy, codec=plans[i].spec, chunks=tuple(chunks[i]))
+                          for i in ordered))
+        raw_index = index.to_json()
+        index_name = index_file_name(self.rank)
+        self.tier.write_file(job.step, index_name, raw_index)
+        stored = sum(c.size for cs in chunks.values() for c in cs)
+        manifest = Manifest(
+            step=job.step, world_size=self.world_size,
+            ranks=(RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name, data_bytes),),
+            raw_bytes=job.handle.raw_bytes, stored_bytes=stored,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), writer=f"tiered {_version()}")
+        self.tier.commit(job.step, manifest.to_json())
+        log.info("tiered: step %d committed: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s [%s]",
+                 job.step, format_size(job.handle.raw_bytes), format_size(stored), 100 * manifest.saved_fraction,
+                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, writer.io_mode)
+        return manifest
+
+
+def _write_rows(seg: Any, writer: Any, place: Any) -> None:
+    """Checksum a wave of compressed rows and write each row's aligned extent."""
+    sizes = seg.sizes()
+    if seg.on_gpu:
+        sums = seg.device.finish_rows(seg, sizes)
+        for i, ref in enumerate(seg.chunks):
+            writer.write_device(place(ref, sizes[i], sums[i]), seg.rows[i, :round_up(sizes[i], ALIGNMENT)])
+        writer.wait()  # the rows go back to the slab once KvikIO has read them
+        return
+    seg.ready.synchronize()
+    rows = seg.rows.numpy()
+    for i, ref in enumerate(seg.chunks):
+        row, n = rows[i], sizes[i]
+        row[n:round_up(n, ALIGNMENT)] = 0
+        writer.write_host(place(ref, n, checksum.wsum64(row[:n])), memoryview(row[:round_up(n, ALIGNMENT)]))
+
+
+def _drain(job: _Job) -> None:
+    """After a failure: release every staged segment still coming, so save() never deadlocks."""
+    while True:
+        seg = job.segments.get()
+        if seg is _END or isinstance(seg, _Abort):
+            return
+        seg.release()
+
+
+def _complete_after(events: Sequence[Any], fut: Future) -> None:
+    try:
+        for ev in events:
+            ev.synchronize()
+        fut.set_result(True)
+    except BaseException as exc:  # noqa: BLE001
+        fut.set_exception(exc)
+
+
+def _gpu_stack_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import kvikio  # noqa: F401
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _saved_device(device: str) -> torch.device:
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        return torch.device("cpu")
+    if d.type == "cuda" and torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count():
+        return d
+    return torch.device("cpu")
+
+
+def _summarize(items: Sequence[Any], n: int = 8) -> str:
+    if not items:
+        return "none"
+    shown = ", ".join(str(x) for x in items[:n])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def _version() -> str:
+    from tiered import __version__
+
+    return __version__

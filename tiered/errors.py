@@ -1,0 +1,40 @@
+"""Exceptions raised by tiered. Every message names what is wrong and where."""
+
+from __future__ import annotations
+
+
+class TieredError(Exception):
+    """Base class of every error tiered raises on purpose."""
+
+
+class ConfigError(TieredError, ValueError):
+    """A configuration file or dict is invalid; the message names the file and the field."""
+
+
+class FormatError(TieredError):
+    """A manifest or index is malformed, of an unknown version, or unsafe to follow."""
+
+
+class CorruptionError(TieredError):
+    """Stored bytes do not match their checksum; names the file, the tensor and the chunk."""
+
+
+class CheckpointNotFoundError(TieredError, LookupError):
+    """No committed checkpoint matches the request."""
+
+
+class CodecUnavailableError(TieredError):
+    """A codec cannot run here (for example `ans` without a GPU and nvCOMP)."""
+
+
+class StateDictError(TieredError, TypeError):
+    """A state_dict holds something that cannot be saved, or does not match the checkpoint."""
+
+
+class BackgroundSaveError(TieredError):
+    """A save failed after `save()` returned; raised by the next `save()` or `wait()`."""
+
+    def __init__(self, step: int, cause: BaseException):
+        super().__init__(f"background work of save(step={step}) failed: {cause!r}")
+        self.step = step
+        self.__cause__ = cause

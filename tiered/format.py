@@ -1,0 +1,337 @@
+"""On-disk format v1: names, records and their explicit (de)serialisation. See docs/format.md.
+
+Per step a directory ``step_<12 digits>/`` holding, per rank, one data file of chunks
+(``rank_00000.data``) and an index (``rank_00000.index.json``); ``MANIFEST.json`` is written
+last, by atomic rename. A step without a manifest does not exist for any reader.
+
+Everything read back from disk is validated here before any file is opened or any buffer sized
+from it: names must be plain file names inside the step directory, sizes and offsets must be
+consistent with each other and with the data file, and unknown versions are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from tiered import checksum
+from tiered.errors import FormatError
+from tiered.units import round_up
+
+FORMAT_VERSION = 1
+ALIGNMENT = 4096
+MANIFEST_NAME = "MANIFEST.json"
+MAX_INDEX_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 64 << 20
+_STEP_DIR = re.compile(r"^step_(\d{12})$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
+                 "uint16", "uint32", "uint64", "bool", "complex64", "complex128",
+                 "float8_e4m3fn", "float8_e5m2")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise FormatError(f"dtype {dtype} is not supported by format v{FORMAT_VERSION}")
+    return name
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def data_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.data"
+
+
+def index_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.index.json"
+
+
+def safe_name(name: object, source: str, what: str) -> str:
+    """A plain file name inside the step directory: no separators, no '..', no absolute paths."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise FormatError(f"{source}: {what} {name!r} is not a plain file name inside the step directory")
+    return name
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """Self-describing codec: exactly how to decode a tensor's chunks, stored in the index."""
+
+    name: str
+    configuration: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, **configuration: Any) -> "CodecSpec":
+        return cls(name, tuple(sorted(configuration.items())))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.configuration)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "configuration": self.params}
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    offset: int
+    """Byte offset in the rank's data file, a multiple of ALIGNMENT."""
+    size: int
+    """Stored (compressed) bytes; the extent on disk is size rounded up to ALIGNMENT, zero padded."""
+    raw_size: int
+    """Uncompressed bytes."""
+    checksum: int
+    """wsum64 of the stored bytes."""
+
+    @property
+    def extent(self) -> int:
+        return round_up(self.size, ALIGNMENT)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    index: int
+    """Leaf number the skeleton refers to as {"$tensor": index}."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    """Device it was saved from; a restore that must create the tensor puts it there if it can."""
+    is_numpy: bool
+    codec: CodecSpec
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.torch_dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    rank: int
+    data_file: str
+    data_bytes: int
+    chunk_size: int
+    skeleton: Any
+    tensors: tuple[TensorRecord, ...]
+    io: str = ""
+    """How the data file was written (e.g. "kvikio-gds", "kvikio-compat", "posix-odirect")."""
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": "tiered-index", "version": self.version, "rank": self.rank,
+            "data_file": self.data_file, "data_bytes": self.data_bytes, "chunk_size": self.chunk_size,
+            "alignment": ALIGNMENT, "checksum": checksum.NAME, "io": self.io, "skeleton": self.skeleton,
+            "tensors": [{
+                "index": t.index, "name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                "device": t.device, "numpy": t.is_numpy, "codec": t.codec.to_json(),
+                "chunks": [[c.offset, c.size, c.raw_size, f"{c.checksum:016x}"] for c in t.chunks],
+            } for t in self.tensors],
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str) -> "RankIndex":
+        doc = _load_json(raw, source, "tiered-index")
+        v = _Validator(source)
+        chunk_size = v.int(doc, "chunk_size", 1, 1 << 30)
+        data_bytes = v.int(doc, "data_bytes", 0, 1 << 50)
+        if v.int(doc, "alignment", 1, 1 << 30) != ALIGNMENT:
+            raise FormatError(f"{source}: alignment {doc['alignment']} is not {ALIGNMENT}")
+        if doc.get("checksum") != checksum.NAME:
+            raise FormatError(f"{source}: unknown checksum algorithm {doc.get('checksum')!r}")
+        raw_tensors = v.list(doc, "tensors")
+        tensors = []
+        end = 0
+        for i, t in enumerate(raw_tensors):
+            rec, end = v.tensor(t, i, chunk_size, data_bytes, end)
+            tensors.append(rec)
+        indices = [t.index for t in tensors]
+        if sorted(indices) != list(range(len(tensors))):
+            raise FormatError(f"{source}: tensor indices are not 0..{len(tensors) - 1}")
+        from tiered.tree import walk_leaves
+
+        try:
+            refs = sorted(walk_leaves(doc.get("skeleton")))
+        except ValueError as exc:
+            raise FormatError(f"{source}: skeleton: {exc}") from None
+        if refs != list(range(len(tensors))):
+            raise FormatError(f"{source}: the skeleton refers to tensors {refs[:5]}... but the index lists {len(tensors)}")
+        return cls(rank=v.int(doc, "rank", 0, 1 << 24), data_file=safe_name(doc.get("data_file"), source, "data_file"),
+                   data_bytes=data_bytes, chunk_size=chunk_size, skeleton=doc.get("skeleton"),
+                   tensors=tuple(sorted(tensors, key=lambda t: t.index)), io=str(doc.get("io", "")),
+                   version=doc["version"])
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    index_file: str
+    index_bytes: int
+    index_checksum: int
+    data_file: str
+    data_bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    ranks: tuple[RankEntry, ...]
+    raw_bytes: int
+    stored_bytes: int
+    created: str
+    writer: str = ""
+    version: int = FORMAT_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def saved_fraction(self) -> float:
+        return 1.0 - self.stored_bytes / self.raw_bytes if self.raw_bytes else 0.0
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": "tiered-manifest", "version": self.version, "step": self.step, "created": self.created,
+            "writer": self.writer, "world_size": self.world_size, "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "ranks": [{"rank": r.rank, "index_file": r.index_file, "index_bytes": r.index_bytes,
+                       "index_checksum": f"{r.index_checksum:016x}", "data_file": r.data_file,
+                       "data_bytes": r.data_bytes} for r in self.ranks],
+        }
+        return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str) -> "Manifest":
+        doc = _load_json(raw, source, "tiered-manifest")
+        v = _Validator(source)
+        world = v.int(doc, "world_size", 1, 1 << 24)
+        ranks = []
+        for i, r in enumerate(v.list(doc, "ranks")):
+            if not isinstance(r, dict):
+                raise FormatError(f"{source}: ranks[{i}] is not an object")
+            ranks.append(RankEntry(
+                rank=v.int(r, "rank", 0, world - 1), index_file=safe_name(r.get("index_file"), source, "index_file"),
+                index_bytes=v.int(r, "index_bytes", 1, MAX_INDEX_BYTES), index_checksum=v.hex64(r, "index_checksum"),
+                data_file=safe_name(r.get("data_file"), source, "data_file"),
+                data_bytes=v.int(r, "data_bytes", 0, 1 << 50)))
+        if sorted(r.rank for r in ranks) != list(range(world)):
+            raise FormatError(f"{source}: manifest lists ranks {[r.rank for r in ranks]} for world_size {world}")
+        return cls(step=v.int(doc, "step", 0, 1 << 62), world_size=world, ranks=tuple(ranks),
+                   raw_bytes=v.int(doc, "raw_bytes", 0, 1 << 62), stored_bytes=v.int(doc, "stored_bytes", 0, 1 << 62),
+                   created=str(doc.get("created", "")), writer=str(doc.get("writer", "")), version=doc["version"])
+
+
+def _load_json(raw: bytes, source: str, kind: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{source}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != kind:
+        raise FormatError(f"{source}: not a {kind} document")
+    if doc.get("version") != FORMAT_VERSION:
+        raise FormatError(f"{source}: format version {doc.get('version')!r} is not supported "
+                          f"(this tiered reads version {FORMAT_VERSION}); upgrade tiered to read it")
+    return doc
+
+
+class _Validator:
+    def __init__(self, source: str):
+        self.source = source
+
+    def int(self, doc: Mapping[str, Any], key: str, lo: int, hi: int, where: str = "") -> int:
+        val = doc.get(key) if isinstance(doc, Mapping) else None
+        if not isinstance(val, int) or isinstance(val, bool) or not lo <= val <= hi:
+            raise FormatError(f"{self.source}: {where}{key} = {val!r} is not an integer in [{lo}, {hi}]")
+        return val
+
+    def list(self, doc: Mapping[str, Any], key: str, where: str = "") -> list[Any]:
+        val = doc.get(key)
+        if not isinstance(val, list):
+            raise FormatError(f"{self.source}: {where}{key} is not a list")
+        return val
+
+    def hex64(self, doc: Mapping[str, Any], key: str, where: str = "") -> int:
+        val = doc.get(key)
+        if not isinstance(val, str) or not re.fullmatch(r"[0-9a-f]{16}", val):
+            raise FormatError(f"{self.source}: {where}{key} = {val!r} is not a 64-bit hex checksum")
+        return int(val, 16)
+
+    def tensor(self, t: Any, i: int, chunk_size: int, data_bytes: int, end: int) -> tuple[TensorRecord, int]:
+        where = f"tensors[{i}]."
+        if not isinstance(t, dict):
+            raise FormatError(f"{self.source}: tensors[{i}] is not an object")
+        name = t.get("name")
+        if not isinstance(name, str):
+            raise FormatError(f"{self.source}: {where}name is not a string")
+        where = f"tensor {name!r}: "
+        dtype = t.get("dtype")
+        if dtype not in DTYPES:
+            raise FormatError(f"{self.source}: {where}unknown dtype {dtype!r}")
+        shape = t.get("shape")
+        if not isinstance(shape, list) or len(shape) > 64 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape):
+            raise FormatError(f"{self.source}: {where}bad shape {str(shape)[:80]}")
+        codec = t.get("codec")
+        if not isinstance(codec, dict) or not isinstance(codec.get("name"), str) \
+                or not isinstance(codec.get("configuration", {}), dict):
+            raise FormatError(f"{self.source}: {where}bad codec description {str(codec)[:80]}")
+        from tiered.codecs import get_codec_class
+
+        try:
+            get_codec_class(codec["name"])
+        except KeyError:
+            raise FormatError(f"{self.source}: {where}unknown codec {codec['name']!r}") from None
+        chunks_raw = self.list(t, "chunks", where)
+        chunks = []
+        for j, c in enumerate(chunks_raw):
+            if not (isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 for x in c[:3]) and isinstance(c[3], str)):
+                raise FormatError(f"{self.source}: {where}chunk {j} is malformed")
+            off, size, raw_size = c[:3]
+            rec = ChunkRecord(off, size, raw_size, self.hex64({"c": c[3]}, "c", f"{where}chunk {j} "))
+            if off % ALIGNMENT or off < end or size < 0 or off + rec.extent > data_bytes:
+                raise FormatError(f"{self.source}: {where}chunk {j} at offset {off} size {size} lies outside "
+                                  f"the data file ({data_bytes} bytes) or overlaps the previous chunk")
+            if not 0 < raw_size <= chunk_size:
+                raise FormatError(f"{self.source}: {where}chunk {j} raw size {raw_size} not in (0, {chunk_size}]")
+            end = off + rec.extent
+            chunks.append(rec)
+        rec = TensorRecord(index=self.int(t, "index", 0, 1 << 31), name=name, dtype=dtype, shape=tuple(shape),
+                           device=str(t.get("device", "cpu")), is_numpy=bool(t.get("numpy", False)),
+                           codec=CodecSpec.of(codec["name"], **codec.get("configuration", {})),
+                           chunks=tuple(chunks))
+        expected = -(-rec.nbytes // chunk_size)
+        if len(chunks) != expected or sum(c.raw_size for c in chunks) != rec.nbytes or any(
+                c.raw_size != chunk_size for c in chunks[:-1]):
+            raise FormatError(f"{self.source}: {where}{len(chunks)} chunks do not cover {rec.nbytes} bytes "
+                              f"in chunks of {chunk_size} (expected {expected})")
+        return rec, end

@@ -1,0 +1,318 @@
+"""The GPU half of save and restore: pack, batched compression into a reused slab, restore reads.
+
+Save, per device, in waves that fit the pack buffer and the slab (all on a side stream that
+first waits for the training stream):
+
+    pack tensors (chunk-aligned pieces) -> codec.encode_batch into slab rows -> [spill to pinned]
+
+After the last pack the training stream waits on an event: from then on training may overwrite
+its tensors, because the compressed copy in the slab *is* the snapshot. `save()` returns without
+waiting for the GPU at all. The background writer later reads the compressed sizes, zeroes each
+row past its chunk, checksums the rows on the GPU, and hands row prefixes to KvikIO.
+
+Restore reads each chunk's aligned extent with KvikIO straight into slab rows, verifies the
+checksums on the GPU, decodes one batch per codec, and unpacks into the destination tensors.
+
+Imported only when CUDA is in use.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tiered.checksum import to_u64, wsum64_rows_torch
+from tiered.codecs import get_codec
+from tiered.codecs.base import PendingSizes
+from tiered.config import Budgets, ZstdSettings
+from tiered.errors import CorruptionError
+from tiered.format import ALIGNMENT, ChunkRecord, TensorRecord
+from tiered.plan import ChunkRef, TensorPlan, pieces
+from tiered.staging import HostPool, RowRing
+from tiered.units import round_up
+
+_PACK_ALIGN = 256
+_CHECKSUM_ROWS = 64
+
+
+@dataclass
+class RowsSegment:
+    """A wave of compressed chunks, one per row, in GPU slab rows or (spilled) pinned host rows."""
+
+    chunks: list[ChunkRef]
+    pendings: list[tuple[PendingSizes, int]]
+    rows: torch.Tensor
+    ready: torch.cuda.Event
+    release: Callable[[], None]
+    on_gpu: bool
+    device: "GpuDevice"
+
+    def sizes(self) -> list[int]:
+        out: list[int] = []
+        for pending, n in self.pendings:
+            got = pending.sizes()
+            if len(got) != n:
+                raise RuntimeError(f"codec returned {len(got)} sizes for {n} chunks")
+            out.extend(got)
+        return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class GpuDevice:
+    """Per-GPU streams and staging memory, allocated on first use and reused across saves."""
+
+    index: int
+    chunk_size: int
+    budgets: Budgets
+    zstd: ZstdSettings
+    host: HostPool
+    stream: torch.cuda.Stream = field(init=False)
+    writer_stream: torch.cuda.Stream = field(init=False)
+    _slab: torch.Tensor | None = field(default=None, init=False)
+    _ring: RowRing | None = field(default=None, init=False)
+    _stride: int = field(default=0, init=False)
+    _pack: torch.Tensor | None = field(default=None, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        dev = torch.device("cuda", self.index)
+        self.stream = torch.cuda.Stream(dev)
+        self.writer_stream = torch.cuda.Stream(dev)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def _ensure(self, specs: Sequence[Any]) -> None:
+        stride = round_up(max(get_codec(s, self.zstd).max_stored_size(self.chunk_size) for s in specs), ALIGNMENT)
+        with self._lock:
+            if self._slab is not None and stride <= self._stride:
+                return
+            if self._ring is not None:
+                # A codec with a larger bound appeared: wait until nothing is in flight, then regrow.
+                self._ring.acquire(self._ring.rows)
+            rows = max(4, self.budgets.gpu_buffer // stride)
+            self._slab = None
+            self._slab = torch.empty(rows * stride, dtype=torch.uint8, device=self.device)
+            self._stride, self._ring = stride, RowRing(rows)
+            if self._pack is None:
+                self._pack = torch.empty(self.budgets.pack_buffer, dtype=torch.uint8, device=self.device)
+
+    # --- save --------------------------------------------------------------------------
+    def stage(self, plans: Sequence[TensorPlan], emit: Callable[[RowsSegment], None]) -> torch.cuda.Event:
+        """Pack and compress `plans` (all on this device) into slab rows, emitting segments.
+
+        Returns the event after which the tensors may change; the current stream waits on it.
+        """
+        chunks = [ChunkRef(p, j) for p in plans for j in range(p.nchunks)]
+        if not chunks:
+            return _recorded(torch.cuda.current_stream(self.device))
+        self._ensure({p.spec for p in plans})
+        ring, stride, pack = self._ring, self._stride, self._pack
+        assert ring is not None and pack is not None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for p in plans:
+            p.tensor.record_stream(self.stream)
+        waves = _waves(chunks, pack.numel(), ring.rows, self.chunk_size)
+        if len(chunks) > ring.rows:
+            self.host.reserve((len(chunks) - ring.rows + len(waves[0])) * stride)
+        remaining = len(chunks)
+        reads_done = None
+        for wi, wave in enumerate(waves):
+            start = ring.acquire(len(wave))
+            rows = self._slab[start * stride:(start + len(wave)) * stride].view(len(wave), stride)
+            with torch.cuda.stream(self.stream):
+                offsets = self._pack_wave(wave, pack)
+                if wi == len(waves) - 1:
+                    reads_done = _recorded(self.stream)
+                pendings = self._encode_wave(wave, offsets, pack, start, stride)
+            remaining -= len(wave)
+            seg = RowsSegment(wave, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
+                              on_gpu=True, device=self)
+            if remaining and ring.free_rows() < min(remaining, ring.rows):
+                seg = self._maybe_spill(seg, ring, start)
+            emit(seg)
+        assert reads_done is not None
+        torch.cuda.current_stream(self.device).wait_event(reads_done)
+        return reads_done
+
+    def _pack_wave(self, wave: Sequence[ChunkRef], pack: torch.Tensor) -> list[int]:
+        offsets, pos = [], 0
+        for plan, j0, n in pieces(wave):
+            codec = get_codec(plan.spec, self.zstd)
+            lo = j0 * self.chunk_size
+            hi = min(plan.nbytes, (j0 + n) * self.chunk_size)
+            src = plan.tensor if plan.tensor.is_contiguous() else plan.tensor.contiguous()
+            codec.pack(pack[pos:pos + hi - lo], _bytes_of(src)[lo:hi], self.chunk_size)
+            offsets.extend(pos + k * self.chunk_size for k in range(n))
+            pos = round_up(pos + hi - lo, _PACK_ALIGN)
+        return offsets
+
+    def _encode_wave(self, wave, offsets, pack, start, stride) -> list[tuple[PendingSizes, int]]:
+        pendings = []
+        i = 0
+        while i < len(wave):
+            spec = wave[i].plan.spec
+            k = i
+            while k < len(wave) and wave[k].plan.spec == spec:
+                k += 1
+            codec = get_codec(spec, self.zstd)
+            pending = codec.encode_batch(self.stream, self.chunk_size, pack, offsets[i:k],
+                                         [c.raw_size for c in wave[i:k]], self._slab,
+                                         [(start + r) * stride for r in range(i, k)], stride)
+            pendings.append((pending, k - i))
+            i = k
+        return pendings
+
+    def _maybe_spill(self, seg: RowsSegment, ring: RowRing, start: int) -> RowsSegment:
+        """Copy a wave to pinned host rows so the slab rows can be reused by this same save."""
+        nbytes = seg.rows.numel()
+        host = self.host
+        if host.ring is None or host.pages(nbytes) > host.ring.rows:
+            return seg
+        page = host.ring.try_acquire(host.pages(nbytes))
+        if page is None:
+            return seg
+        dst = host.view(page, nbytes).view(seg.rows.shape)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(seg.rows, non_blocking=True)
+            ready = _recorded(self.stream)
+        ring.release(start)  # later writes into these rows are ordered after the copy on this stream
+        return RowsSegment(seg.chunks, seg.pendings, dst, ready, lambda: host.ring.release(page),
+                           on_gpu=False, device=self)
+
+    def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
+        """Zero each GPU row past its chunk and return the rows' wsum64 checksums."""
+        with torch.cuda.stream(self.writer_stream):
+            self.writer_stream.wait_event(seg.ready)
+            sizes_t = torch.tensor(sizes, dtype=torch.int64, device=self.device)
+            cols = torch.arange(seg.rows.shape[1], device=self.device)
+            sums = []
+            for r in range(0, len(sizes), _CHECKSUM_ROWS):
+                rows = seg.rows[r:r + _CHECKSUM_ROWS]
+                rows.masked_fill_(cols[None, :] >= sizes_t[r:r + _CHECKSUM_ROWS, None], 0)
+                words = round_up(max(sizes[r:r + _CHECKSUM_ROWS]), 4) // 4
+                sums.append(wsum64_rows_torch(rows, words))
+            out = torch.cat(sums).cpu().tolist()
+        return [to_u64(x) for x in out]
+
+    # --- restore -----------------------------------------------------------------------
+    def restore(self, items: Sequence[tuple[TensorRecord, torch.Tensor]], reader: Any, chunk_size: int) -> None:
+        """Decode `items` (record, destination tensor) from `reader` into the destinations."""
+        work: list[tuple[TensorRecord, torch.Tensor, torch.Tensor]] = []
+        for rec, dst in items:
+            tmp = dst if (dst.is_cuda and dst.device.index == self.index and dst.is_contiguous()) else \
+                torch.empty(rec.shape, dtype=rec.torch_dtype, device=self.device)
+            work.append((rec, dst, tmp))
+        refs = [(rec, tmp, j) for rec, _, tmp in work for j in range(len(rec.chunks))]
+        if refs:
+            stride = round_up(max(rec.chunks[j].extent for rec, _, j in refs), ALIGNMENT)
+            rows_cap = max(1, min(len(refs), self.budgets.gpu_buffer // stride))
+            pack_cap = min(self.budgets.pack_buffer, sum(round_up(rec.chunks[j].raw_size, _PACK_ALIGN)
+                                                        for rec, _, j in refs))
+            slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=self.device)
+            pack = torch.empty(max(pack_cap, chunk_size), dtype=torch.uint8, device=self.device)
+            i = 0
+            while i < len(refs):
+                k, used = i, 0
+                while k < len(refs) and k - i < rows_cap and used + round_up(refs[k][0].chunks[refs[k][2]].raw_size,
+                                                                             _PACK_ALIGN) <= pack.numel():
+                    used += round_up(refs[k][0].chunks[refs[k][2]].raw_size, _PACK_ALIGN)
+                    k += 1
+                self._restore_wave(refs[i:k], reader, slab, stride, pack, chunk_size)
+                i = k
+        for rec, dst, tmp in work:
+            if tmp is not dst:
+                dst.copy_(tmp)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _restore_wave(self, refs, reader, slab, stride, pack, chunk_size) -> None:
+        n = len(refs)
+        rows = slab[:n * stride].view(n, stride)
+        with torch.cuda.stream(self.stream):
+            rows.zero_()
+        self.stream.synchronize()
+        futures = [reader.read_device_async(rec.chunks[j].offset, rec.chunks[j].extent, rows[r, :rec.chunks[j].extent])
+                   for r, (rec, _, j) in enumerate(refs)]
+        for f in futures:
+            f.get()
+        with torch.cuda.stream(self.stream):
+            sums = []
+            for r in range(0, n, _CHECKSUM_ROWS):
+                part = refs[r:r + _CHECKSUM_ROWS]
+                words = round_up(max(rec.chunks[j].extent for rec, _, j in part), 4) // 4
+                sums.append(wsum64_rows_torch(rows[r:r + _CHECKSUM_ROWS], words))
+            got = [to_u64(x) for x in torch.cat(sums).cpu().tolist()]
+        for r, (rec, _, j) in enumerate(refs):
+            c = rec.chunks[j]
+            if got[r] != c.checksum:
+                raise CorruptionError(_corrupt_msg(reader.path, rec, j, c, f"stored {c.checksum:016x}, computed {got[r]:016x}"))
+        # One decode per codec spec, into chunk slots of the pack buffer; then unpack per tensor run.
+        offsets, pos = [], 0
+        for r, (rec, _, j) in enumerate(refs):
+            if r and not (refs[r - 1][0] is rec and refs[r - 1][2] + 1 == j):
+                pos = round_up(pos, _PACK_ALIGN)
+            offsets.append(pos)
+            pos += rec.chunks[j].raw_size
+        with torch.cuda.stream(self.stream):
+            i = 0
+            while i < n:
+                spec = refs[i][0].codec
+                k = i
+                while k < n and refs[k][0].codec == spec:
+                    k += 1
+                codec = get_codec(spec, self.zstd)
+                try:
+                    codec.decode_batch(self.stream, chunk_size, slab, [r * stride for r in range(i, k)],
+                                       [refs[r][0].chunks[refs[r][2]].size for r in range(i, k)], pack,
+                                       offsets[i:k], [refs[r][0].chunks[refs[r][2]].raw_size for r in range(i, k)])
+                except (ValueError, RuntimeError) as exc:
+                    rec, _, j = refs[i]
+                    raise CorruptionError(_corrupt_msg(reader.path, rec, j, rec.chunks[j],
+                                                       f"{spec.name} decode failed: {exc}")) from None
+                i = k
+            r = 0
+            while r < n:
+                rec, tmp, j0 = refs[r]
+                k = r
+                while k + 1 < n and refs[k + 1][0] is rec and refs[k + 1][2] == refs[k][2] + 1:
+                    k += 1
+                lo, hi = j0 * chunk_size, j0 * chunk_size + sum(rec.chunks[refs[x][2]].raw_size for x in range(r, k + 1))
+                get_codec(rec.codec, self.zstd).unpack(_bytes_of(tmp)[lo:hi], pack[offsets[r]:offsets[r] + hi - lo],
+                                                       chunk_size)
+                r = k + 1
+        self.stream.synchronize()
+
+
+def _corrupt_msg(path: str, rec: TensorRecord, j: int, c: ChunkRecord, what: str) -> str:
+    return (f"{path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes {c.offset}..{c.offset + c.size}): "
+            f"corrupted: {what}")
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def _waves(chunks: Sequence[ChunkRef], pack_bytes: int, max_rows: int, chunk_size: int) -> list[list[ChunkRef]]:
+    waves: list[list[ChunkRef]] = []
+    cur: list[ChunkRef] = []
+    used = 0
+    for c in chunks:
+        need = round_up(c.raw_size, _PACK_ALIGN)
+        if cur and (used + need > pack_bytes or len(cur) >= max_rows):
+            waves.append(cur)
+            cur, used = [], 0
+        cur.append(c)
+        used += need
+    if cur:
+        waves.append(cur)
+    return waves

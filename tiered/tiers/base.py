@@ -1,0 +1,72 @@
+"""The tier protocol: where a checkpoint's files live.
+
+Call order for writing one step (the commit rule: the manifest is the last thing written, and a
+step without one does not exist for any reader):
+
+    tier.begin_step(step)                         # refuses a committed step; clears uncommitted debris
+    w = tier.open_data_writer(step, name)         # per rank: chunk data, append-only, aligned extents
+    w.write_host(offset, buf) / w.write_device(offset, tensor)
+    w.close()                                     # waits for pending writes, fsyncs
+    tier.write_file(step, index_name, bytes)      # per rank: index, durable before the manifest
+    tier.commit(step, manifest_bytes)             # atomic: rename (filesystems) or last object (S3)
+
+Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
+``open_data_reader`` take names validated by tiered.format (plain names inside the step).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class DataWriter(Protocol):
+    io_mode: str
+
+    def write_host(self, offset: int, buf: memoryview) -> None: ...
+
+    def write_device(self, offset: int, buf: torch.Tensor) -> None: ...
+
+    def close(self) -> int: ...
+
+    def abort(self) -> None: ...
+
+
+class DataReader(Protocol):
+    path: str
+    io_mode: str
+
+    def read_host(self, offset: int, size: int) -> memoryview: ...
+
+    def read_device(self, offset: int, size: int, out: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Tier(Protocol):
+    name: str
+    supports_rename: bool
+    """Commit by atomic rename (filesystems); otherwise the manifest is the last object written."""
+    reads_into_gpu: bool
+    """Data can be read straight into GPU memory (KvikIO)."""
+
+    def steps(self) -> list[int]: ...
+
+    def has_step(self, step: int) -> bool: ...
+
+    def begin_step(self, step: int) -> None: ...
+
+    def open_data_writer(self, step: int, name: str, device: bool) -> DataWriter: ...
+
+    def write_file(self, step: int, name: str, data: bytes) -> None: ...
+
+    def commit(self, step: int, manifest: bytes) -> None: ...
+
+    def read_manifest(self, step: int) -> bytes: ...
+
+    def read_file(self, step: int, name: str, max_bytes: int) -> bytes: ...
+
+    def open_data_reader(self, step: int, name: str, device: bool) -> DataReader: ...
+
+    def describe(self, step: int, name: str) -> str: ...

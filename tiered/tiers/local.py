@@ -1,0 +1,318 @@
+"""Node-local tier (NVMe): step directories under a root path.
+
+GPU buffers are written and read with KvikIO (cuFile): GPUDirect Storage where the driver and
+filesystem support it, KvikIO's POSIX compat mode otherwise; which one ran is logged once and
+recorded in each index (`io`). Host buffers use POSIX pwrite, with O_DIRECT where the filesystem
+supports it (every extent is 4 KiB aligned in offset, length and memory). Data is fsynced before
+the index and the manifest are written; the manifest is committed by write-temp, fsync, rename,
+fsync(directory).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
+from tiered.format import ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, safe_name, step_dir_name
+
+log = logging.getLogger("tiered")
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_logged_modes: set[str] = set()
+
+
+def _log_mode_once(mode: str, detail: str) -> None:
+    if mode not in _logged_modes:
+        _logged_modes.add(mode)
+        log.info("tiered: %s", detail)
+
+
+def kvikio_mode() -> str:
+    """"kvikio-gds" or "kvikio-compat" (imports KvikIO; call only where CUDA is in use)."""
+    import kvikio.defaults
+
+    return "kvikio-compat" if kvikio.defaults.is_compat_mode_preferred() else "kvikio-gds"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AlignedBuffer:
+    """Page-aligned host memory (what O_DIRECT needs), reused across writes."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._mm = mmap.mmap(-1, size)
+        self.view = memoryview(self._mm)
+
+    def close(self) -> None:
+        self.view.release()
+        self._mm.close()
+
+
+class LocalDataWriter:
+    """Writes one rank's data file. Host extents: POSIX (O_DIRECT when possible). Device extents:
+    KvikIO, asynchronously; close() waits for every pending write, then fsyncs."""
+
+    def __init__(self, path: Path, direct_io: str, device: bool):
+        self.path = path
+        self._fd = -1
+        self._direct = False
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct_io != "off" and _O_DIRECT:
+            try:
+                self._fd = os.open(path, flags | _O_DIRECT, 0o644)
+                self._direct = True
+            except OSError as exc:
+                if direct_io == "on" or exc.errno != errno.EINVAL:
+                    raise TieredError(f"{path}: cannot open with O_DIRECT ({exc.strerror}); "
+                                      "set direct_io: auto or off for this tier") from None
+        if self._fd < 0:
+            self._fd = os.open(path, flags, 0o644)
+        self._direct_policy = direct_io
+        self._bounce: AlignedBuffer | None = None
+        self._cufile: Any = None
+        self._futures: list[Any] = []
+        self._end = 0
+        host_mode = "posix-odirect" if self._direct else "posix-buffered"
+        self.io_mode = host_mode
+        if device:
+            import kvikio
+
+            self._cufile = kvikio.CuFile(str(path), "r+")
+            mode = kvikio_mode()
+            _log_mode_once(mode, f"KvikIO writes GPU buffers in {'GPUDirect Storage' if mode == 'kvikio-gds' else 'compat (POSIX) mode: GDS is not available'}")
+            self.io_mode = f"{mode}+{host_mode}"
+
+    def write_host(self, offset: int, buf: memoryview) -> None:
+        n = len(buf)
+        if offset % ALIGNMENT or n % ALIGNMENT:
+            raise ValueError(f"unaligned extent at {offset}+{n}")
+        if self._direct and not _is_aligned(buf):
+            if self._bounce is None or self._bounce.size < n:
+                if self._bounce is not None:
+                    self._bounce.close()
+                self._bounce = AlignedBuffer(max(n, 8 << 20))
+            self._bounce.view[:n] = buf
+            buf = self._bounce.view[:n]
+        self._pwrite_all(buf, offset)
+        self._end = max(self._end, offset + n)
+
+    def _pwrite_all(self, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            try:
+                done += os.pwrite(self._fd, buf[done:], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self._direct and self._direct_policy == "auto":
+                    # The filesystem accepted O_DIRECT at open but refuses this write: go buffered.
+                    log.info("tiered: %s: O_DIRECT write refused, falling back to buffered I/O", self.path)
+                    os.close(self._fd)
+                    self._fd = os.open(self.path, os.O_WRONLY, 0o644)
+                    self._direct = False
+                    self.io_mode = self.io_mode.replace("posix-odirect", "posix-buffered")
+                    continue
+                raise TieredError(f"{self.path}: write of {len(buf)} bytes at offset {offset} failed: "
+                                  f"{exc.strerror}") from None
+
+    def write_device(self, offset: int, buf: torch.Tensor) -> None:
+        if self._cufile is None:
+            raise TieredError("write_device on a writer opened without device support")
+        self._futures.append(self._cufile.pwrite(buf, size=buf.numel(), file_offset=offset))
+        self._end = max(self._end, offset + buf.numel())
+
+    def wait(self) -> None:
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.get()
+
+    def close(self) -> int:
+        """Wait, fsync, close. Returns the file size."""
+        try:
+            self.wait()
+            if self._cufile is not None:
+                self._cufile.close()
+                self._cufile = None
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise TieredError(f"{self.path}: fsync failed: {exc.strerror}") from None
+        finally:
+            self._release()
+        return self._end
+
+    def abort(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - already failing; the step stays uncommitted
+            pass
+        self._release()
+
+    def _release(self) -> None:
+        if self._cufile is not None:
+            self._cufile.close()
+            self._cufile = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._bounce is not None:
+            self._bounce.close()
+            self._bounce = None
+
+
+def _is_aligned(buf: memoryview) -> bool:
+    import ctypes
+
+    if buf.readonly:
+        return False
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return addr % ALIGNMENT == 0
+
+
+class LocalDataReader:
+    def __init__(self, path: Path, device: bool):
+        self.path = str(path)
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path}: data file is missing") from None
+        self.size = os.fstat(self._fd).st_size
+        self._cufile: Any = None
+        self.io_mode = "posix"
+        if device:
+            import kvikio
+
+            self._cufile = kvikio.CuFile(self.path, "r")
+            self.io_mode = kvikio_mode()
+
+    def _check(self, offset: int, size: int) -> None:
+        if offset + size > self.size:
+            raise TieredError(f"{self.path}: file is truncated: needs bytes {offset}..{offset + size}, "
+                              f"has {self.size}")
+
+    def read_host(self, offset: int, size: int) -> memoryview:
+        self._check(offset, size)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise TieredError(f"{self.path}: unexpected end of file at {offset + done}")
+            done += n
+        return view
+
+    def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> Any:
+        self._check(offset, size)
+        return self._cufile.pread(out, size=size, file_offset=offset)
+
+    def read_device(self, offset: int, size: int, out: torch.Tensor) -> None:
+        self.read_device_async(offset, size, out).get()
+
+    def close(self) -> None:
+        if self._cufile is not None:
+            self._cufile.close()
+            self._cufile = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LocalTier:
+    supports_rename = True
+    reads_into_gpu = True
+
+    def __init__(self, name: str, root: Path, direct_io: str = "auto"):
+        self.name = name
+        self.root = Path(root).absolute()
+        self.direct_io = direct_io
+
+    def __repr__(self) -> str:
+        return f"LocalTier({self.name!r}, {str(self.root)!r})"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        out = []
+        for entry in os.scandir(self.root):
+            step = parse_step_dir(entry.name)
+            if step is not None and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+                out.append(step)
+        return sorted(out)
+
+    def has_step(self, step: int) -> bool:
+        return (self.step_dir(step) / MANIFEST_NAME).is_file()
+
+    def begin_step(self, step: int) -> None:
+        d = self.step_dir(step)
+        if (d / MANIFEST_NAME).exists():
+            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({d}); "
+                              "steps are immutable: save under a new step number")
+        if d.exists():
+            log.info("tiered: removing uncommitted leftovers of step %d in %s", step, d)
+            shutil.rmtree(d)
+        try:
+            d.mkdir(parents=True)
+        except OSError as exc:
+            raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
+
+    def open_data_writer(self, step: int, name: str, device: bool) -> LocalDataWriter:
+        return LocalDataWriter(self.step_dir(step) / name, self.direct_io, device)
+
+    def write_file(self, step: int, name: str, data: bytes) -> None:
+        path = self.step_dir(step) / name
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self, step: int, manifest: bytes) -> None:
+        d = self.step_dir(step)
+        tmp = d / (MANIFEST_NAME + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(d)
+        os.replace(tmp, d / MANIFEST_NAME)
+        fsync_dir(d)
+        fsync_dir(self.root)
+
+    def read_manifest(self, step: int) -> bytes:
+        path = self.step_dir(step) / MANIFEST_NAME
+        try:
+            if path.stat().st_size > MAX_MANIFEST_BYTES:
+                raise FormatError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in tier {self.name!r} ({self.root})") from None
+
+    def read_file(self, step: int, name: str, max_bytes: int) -> bytes:
+        path = self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "file name")
+        try:
+            if path.stat().st_size > max_bytes:
+                raise FormatError(f"{path}: larger than the {max_bytes} bytes allowed")
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path}: file is missing") from None
+
+    def open_data_reader(self, step: int, name: str, device: bool) -> LocalDataReader:
+        return LocalDataReader(self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "data file"), device)
+
+    def describe(self, step: int, name: str) -> str:
+        return str(self.step_dir(step) / name)

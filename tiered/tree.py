@@ -1,0 +1,179 @@
+"""Flatten a state_dict into tensor leaves and a JSON skeleton; put it back together.
+
+Tensors (and numpy arrays) become leaves stored as chunks; everything else — step counters,
+RNG states, scheduler and dataloader state — is encoded into the skeleton as plain JSON with
+explicit type tags. Nothing is ever pickled, so loading runs no code from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tiered.errors import StateDictError
+
+KeyPath = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: KeyPath
+    tensor: torch.Tensor
+    is_numpy: bool
+
+
+def path_str(path: KeyPath) -> str:
+    """model.layers[0].weight-style name for messages and listings."""
+    out = ""
+    for key in path:
+        if isinstance(key, int) and not isinstance(key, bool):
+            out += f"[{key}]"
+        else:
+            out += ("." if out else "") + str(key)
+    return out or "<root>"
+
+
+def flatten(state: Any) -> tuple[Any, list[Leaf]]:
+    """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}."""
+    leaves: list[Leaf] = []
+    skeleton = _encode(state, (), leaves)
+    return skeleton, leaves
+
+
+def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
+            raise StateDictError(f"{path_str(path)}: {obj.layout} / quantized / nested tensors are not supported")
+        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            raise StateDictError(f"{path_str(path)}: tensor subclass {type(obj).__name__} is not supported "
+                                 "(DTensor support goes through tiered.dcp)")
+        leaves.append(Leaf(path, obj.detach(), False))
+        return {"$tensor": len(leaves) - 1}
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.dtype.fields is not None:
+            raise StateDictError(f"{path_str(path)}: numpy arrays of dtype {obj.dtype} cannot be stored without pickling")
+        leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj).copy()), True))
+        return {"$tensor": len(leaves) - 1}
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"$float": repr(obj)}
+    if isinstance(obj, np.generic):
+        return {"$np": obj.dtype.str, "v": _encode(obj.item(), path, leaves)}
+    if isinstance(obj, bytes):
+        return {"$bytes": base64.b64encode(obj).decode()}
+    if isinstance(obj, torch.dtype):
+        return {"$dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"$device": str(obj)}
+    if isinstance(obj, torch.Size):
+        return {"$size": list(obj)}
+    if isinstance(obj, dict):
+        tag = "$odict" if isinstance(obj, OrderedDict) else "$dict"
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
+            items.append([_encode(k, path, []), _encode(v, path + (k,), leaves)])
+        return {tag: items}
+    if isinstance(obj, list):
+        return [_encode(v, path + (i,), leaves) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"$tuple": [_encode(v, path + (i,), leaves) for i, v in enumerate(obj)]}
+    raise StateDictError(
+        f"{path_str(path)}: cannot checkpoint an object of type {type(obj).__module__}.{type(obj).__qualname__}; "
+        "supported: tensors, numpy arrays, dict/list/tuple, str/int/float/bool/None/bytes, torch dtype/device/Size. "
+        "Call .state_dict() on objects first.")
+
+
+def decode(skeleton: Any, leaf: Any) -> Any:
+    """Rebuild the object tree; `leaf(i)` supplies leaf i (a tensor or numpy array)."""
+    return _decode(skeleton, leaf)
+
+
+def _decode(node: Any, leaf: Any) -> Any:
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [_decode(v, leaf) for v in node]
+    if not isinstance(node, dict) or len(node) not in (1, 2):
+        raise ValueError(f"malformed skeleton node {str(node)[:80]}")
+    tag = next(iter(node))
+    val = node[tag]
+    if tag == "$tensor":
+        return leaf(_index(val))
+    if tag in ("$dict", "$odict"):
+        cls = OrderedDict if tag == "$odict" else dict
+        return cls((_decode(k, leaf), _decode(v, leaf)) for k, v in val)
+    if tag == "$tuple":
+        return tuple(_decode(v, leaf) for v in val)
+    if tag == "$float":
+        if val not in ("nan", "inf", "-inf"):
+            raise ValueError(f"bad float {val!r}")
+        return float(val)
+    if tag == "$np":
+        return np.dtype(val).type(_decode(node["v"], leaf))
+    if tag == "$bytes":
+        return base64.b64decode(val, validate=True)
+    if tag == "$dtype":
+        dtype = getattr(torch, val, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {val!r}")
+        return dtype
+    if tag == "$device":
+        return torch.device(val)
+    if tag == "$size":
+        return torch.Size(val)
+    raise ValueError(f"unknown skeleton tag {tag!r}")
+
+
+def _index(val: Any) -> int:
+    if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+        raise ValueError(f"bad tensor reference {val!r}")
+    return val
+
+
+def walk_leaves(skeleton: Any) -> Iterator[int]:
+    """Every tensor index the skeleton refers to."""
+    if isinstance(skeleton, list):
+        for v in skeleton:
+            yield from walk_leaves(v)
+    elif isinstance(skeleton, dict):
+        if "$tensor" in skeleton:
+            yield _index(skeleton["$tensor"])
+        for tag in ("$dict", "$odict"):
+            for _, v in skeleton.get(tag, ()):
+                yield from walk_leaves(v)
+        for v in skeleton.get("$tuple", ()):
+            yield from walk_leaves(v)
+
+
+def merge_into(target: Any, loaded: Any, path: KeyPath = ()) -> Any:
+    """Copy `loaded` into `target` in place where possible; return the object to keep.
+
+    Tensors already present in `target` receive the loaded bytes (see Engine.restore: those were
+    decoded straight into them); containers are updated key by key so references held by the
+    caller (model.state_dict() tensors, the dict itself) stay valid. Values that cannot be
+    updated in place (ints, tuples, new keys) are replaced in their parent container.
+    """
+    if isinstance(target, dict) and isinstance(loaded, dict):
+        for k, v in loaded.items():
+            target[k] = merge_into(target[k], v, path + (k,)) if k in target else v
+        return target
+    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+        for i, v in enumerate(loaded):
+            target[i] = merge_into(target[i], v, path + (i,))
+        return target
+    if isinstance(target, np.ndarray) and isinstance(loaded, np.ndarray) and target.shape == loaded.shape \
+            and target.dtype == loaded.dtype and target.flags.writeable:
+        target[...] = loaded
+        return target
+    return loaded
