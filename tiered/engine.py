@@ -78,6 +78,8 @@ class _Job:
     handle: SaveHandle
     device_io: bool
     segments: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    staging_over: bool = False
+    """The writer has taken the last segment (the end marker or an abort)."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -380,8 +382,10 @@ class Engine:
             while True:
                 seg = job.segments.get()
                 if seg is _END:
+                    job.staging_over = True
                     break
                 if isinstance(seg, _Abort):
+                    job.staging_over = True
                     raise TieredError(f"staging failed: {seg.exc!r}")
                 if isinstance(seg, cpu.RawSegment):
                     try:
@@ -443,11 +447,12 @@ def _write_rows(seg: Any, writer: Any, place: Any) -> None:
 
 def _drain(job: _Job) -> None:
     """After a failure: release every staged segment still coming, so save() never deadlocks."""
-    while True:
+    while not job.staging_over:
         seg = job.segments.get()
         if seg is _END or isinstance(seg, _Abort):
-            return
-        seg.release()
+            job.staging_over = True
+        else:
+            seg.release()
 
 
 def _complete_after(events: Sequence[Any], fut: Future) -> None:

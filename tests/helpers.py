@@ -1,0 +1,95 @@
+"""Shared builders and comparisons for the tests."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+
+def assert_same(a, b, path="state"):
+    """Bit-exact equality of nested state (tensors compared byte for byte, NaN-safe)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(ab, bb), f"{path}: bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a)}/{len(a)} vs {type(b)}/{len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, path
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def mixed_state(device: str, seed: int = 0) -> dict:
+    """Every dtype and shape case the format must carry, nested in dicts, lists and tuples."""
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+
+    def rnd(*shape, dtype=torch.float32):
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype).to(dev)
+
+    base = rnd(64, 48)
+    return {
+        "weights": OrderedDict(
+            fp32=rnd(700, 513),                                   # spans several 1 MiB chunks + a tail
+            bf16=rnd(257, 300, dtype=torch.bfloat16),
+            fp16=rnd(1000, dtype=torch.float16),
+            fp64=rnd(33, dtype=torch.float64),
+        ),
+        "ints": [torch.randint(-2**40, 2**40, (4097,), generator=g).to(dev),
+                 torch.randint(0, 255, (100,), generator=g, dtype=torch.uint8).to(dev),
+                 torch.rand(513, generator=g).gt(0.5).to(dev)],
+        "edge": {"empty": torch.empty(0, 7, device=dev), "scalar": torch.tensor(3.25, device=dev),
+                 "scalar_int": torch.tensor(7, device=dev),
+                 "noncontig": base.t(), "strided": base[::3, 1::2]},
+        "meta": {"step": 12345, "lr": 3e-4, "betas": (0.9, 0.999), "name": "run-7", "flag": True, "none": None,
+                 "inf": float("inf"), "nan": float("nan"), "blob": b"\x00\x01raw", 3: "int key",
+                 "dtype": torch.bfloat16, "big": 2**70},
+        "numpy": {"arr": np.arange(10, dtype=np.int32), "rng": np.random.default_rng(1).random(5)},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def zeros_like_state(state):
+    """Same structure with every tensor zeroed (in new storage): a restore target."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, np.ndarray):
+        return np.zeros_like(state)
+    if isinstance(state, OrderedDict):
+        return OrderedDict((k, zeros_like_state(v)) for k, v in state.items())
+    if isinstance(state, dict):
+        return {k: zeros_like_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_like_state(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(zeros_like_state(v) for v in state)
+    return None if not isinstance(state, (int, float, str, bytes)) else state
+
+
+def trained_model(device: str, steps: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
+                                torch.nn.Linear(512, 64)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randn(32, 256, device=device)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt
