@@ -294,7 +294,7 @@ class _Validator:
             raise FormatError(f"{self.source}: {where}name is not a string")
         where = f"tensor {name!r}: "
         dtype = t.get("dtype")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise FormatError(f"{self.source}: {where}unknown dtype {dtype!r}")
         shape = t.get("shape")
         if not isinstance(shape, list) or len(shape) > 64 or not all(
@@ -302,14 +302,19 @@ class _Validator:
             raise FormatError(f"{self.source}: {where}bad shape {str(shape)[:80]}")
         codec = t.get("codec")
         if not isinstance(codec, dict) or not isinstance(codec.get("name"), str) \
-                or not isinstance(codec.get("configuration", {}), dict):
+                or not isinstance(codec.get("configuration", {}), dict) or not all(
+                    isinstance(k, str) and isinstance(v, (str, int, float, bool))
+                    for k, v in codec.get("configuration", {}).items()):
             raise FormatError(f"{self.source}: {where}bad codec description {str(codec)[:80]}")
-        from tiered.codecs import get_codec_class
+        from tiered.codecs import get_codec, get_codec_class
 
         try:
             get_codec_class(codec["name"])
+            get_codec(CodecSpec.of(codec["name"], **codec.get("configuration", {})))
         except KeyError:
             raise FormatError(f"{self.source}: {where}unknown codec {codec['name']!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise FormatError(f"{self.source}: {where}bad {codec['name']} configuration: {exc}") from None
         chunks_raw = self.list(t, "chunks", where)
         chunks = []
         for j, c in enumerate(chunks_raw):

@@ -27,7 +27,7 @@ def shuffle_np(raw: memoryview, elem: int) -> np.ndarray:
     a = np.frombuffer(raw, dtype=np.uint8)
     if elem == 1:
         return a
-    return np.ascontiguousarray(a.reshape(-1, elem).T)
+    return np.ascontiguousarray(a.reshape(-1, elem).T).reshape(-1)
 
 
 def unshuffle_np(shuffled: memoryview, elem: int, out: np.ndarray) -> None:

@@ -1,0 +1,171 @@
+"""The codec contract: every codec passes the same tests, on the CPU and on the GPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tiered.codecs import codec_names, get_codec, get_codec_class
+from tiered.config import ZstdSettings
+from tiered.format import CodecSpec
+
+CHUNK = 1 << 20
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+
+
+def sample(dtype: torch.dtype, nbytes: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = nbytes // itemsize
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 0.02).to(dtype)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    return torch.randint(0, 100, (n,), generator=g).to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_registry_names():
+    assert codec_names() == ["ans", "none", "zstd"]
+
+
+class CodecContract:
+    """Subclassed once per codec; `name` selects it."""
+
+    name: str
+
+    @pytest.fixture(params=DTYPES, ids=str)
+    def spec(self, request):
+        return get_codec_class(self.name).spec_for(request.param), request.param
+
+    def test_spec_is_self_describing(self, spec):
+        spec, _ = spec
+        doc = json.loads(json.dumps(spec.to_json()))
+        assert CodecSpec.of(doc["name"], **doc["configuration"]) == spec
+
+    def test_cpu_round_trip(self, spec):
+        spec, dtype = spec
+        cls = get_codec_class(self.name)
+        if not cls.cpu_capable:
+            pytest.skip(f"{self.name} has no CPU implementation")
+        codec = get_codec(spec, ZstdSettings(level=3))
+        for nbytes in (CHUNK, 8192, 16):
+            raw = as_bytes(sample(dtype, nbytes)).numpy()
+            stored = codec.encode_chunk(memoryview(raw))
+            out = np.zeros(len(raw), dtype=np.uint8)
+            codec.decode_chunk(memoryview(stored), len(raw), memoryview(out))
+            assert out.tobytes() == raw.tobytes()
+
+    @pytest.mark.gpu
+    def test_gpu_batch_round_trip(self, spec):
+        spec, dtype = spec
+        codec = get_codec(spec, ZstdSettings())
+        stream = torch.cuda.Stream()
+        t = sample(dtype, 3 * CHUNK + 4096 + 32).cuda()
+        raw = as_bytes(t)
+        n = raw.numel()
+        offsets = list(range(0, n, CHUNK))
+        sizes = [min(CHUNK, n - o) for o in offsets]
+        pack = torch.empty(n, dtype=torch.uint8, device="cuda")
+        stride = -(-codec.max_stored_size(CHUNK) // 4096) * 4096
+        slab = torch.empty(len(offsets) * stride, dtype=torch.uint8, device="cuda")
+        rows = [i * stride for i in range(len(offsets))]
+        with torch.cuda.stream(stream):
+            stream.wait_stream(torch.cuda.current_stream())
+            codec.pack(pack, raw, CHUNK)
+            stored = codec.encode_batch(stream, CHUNK, pack, offsets, sizes, slab, rows, stride).sizes()
+            assert all(0 < s <= stride for s in stored)
+            back = torch.zeros_like(pack)
+            codec.decode_batch(stream, CHUNK, slab, rows, stored, back, offsets, sizes)
+            out = torch.zeros_like(raw)
+            codec.unpack(out, back, CHUNK)
+        stream.synchronize()
+        assert torch.equal(out, raw)
+
+
+class TestNone(CodecContract):
+    name = "none"
+
+
+class TestZstd(CodecContract):
+    name = "zstd"
+
+
+class TestAns(CodecContract):
+    name = "ans"
+
+    def test_cpu_decode_says_gpu_needed(self):
+        from tiered.errors import CodecUnavailableError
+
+        codec = get_codec(CodecSpec.of("ans", data_type="<f4"))
+        with pytest.raises(CodecUnavailableError, match="needs an NVIDIA GPU"):
+            codec.decode_chunk(memoryview(b"x"), 1, memoryview(bytearray(1)))
+
+    def test_data_type_follows_dtype(self):
+        assert [get_codec_class("ans").spec_for(d).params["data_type"] for d in
+                (torch.float32, torch.float16, torch.bfloat16, torch.int64)] == ["<f4", "<f2", "<f2", "|u1"]
+
+
+def test_zstd_shuffle_layout_on_cpu():
+    from tiered.codecs.zstd import shuffle_np, unshuffle_np
+
+    raw = np.arange(16, dtype=np.uint8)
+    assert shuffle_np(memoryview(raw), 4).tolist() == [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]
+    out = np.zeros(16, dtype=np.uint8)
+    unshuffle_np(memoryview(shuffle_np(memoryview(raw), 4)), 4, out)
+    assert out.tolist() == raw.tolist()
+
+
+def test_zstd_frames_are_standard():
+    import zstandard
+
+    codec = get_codec(CodecSpec.of("zstd", shuffle=1))
+    raw = b"tiered" * 1000
+    frame = codec.encode_chunk(memoryview(raw))
+    assert zstandard.ZstdDecompressor().decompress(frame) == raw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_zstd_cpu_and_gpu_read_each_others_frames(dtype):
+    """The portable format: CPU-written frames decode on the GPU and GPU-written ones on the CPU."""
+    spec = get_codec_class("zstd").spec_for(dtype)
+    codec = get_codec(spec)
+    raw = as_bytes(sample(dtype, CHUNK + 8192, seed=5))
+    n = raw.numel()
+    offsets, sizes = [0, CHUNK], [CHUNK, n - CHUNK]
+    stream = torch.cuda.Stream()
+    stride = -(-codec.max_stored_size(CHUNK) // 4096) * 4096
+    # GPU -> CPU
+    graw = raw.cuda()
+    pack = torch.empty_like(graw)
+    slab = torch.zeros(2 * stride, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        codec.pack(pack, graw, CHUNK)
+        stored = codec.encode_batch(stream, CHUNK, pack, offsets, sizes, slab, [0, stride], stride).sizes()
+    stream.synchronize()
+    host = slab.cpu().numpy()
+    for (off, size), row, s in zip(zip(offsets, sizes), (0, stride), stored):
+        out = np.zeros(size, dtype=np.uint8)
+        codec.decode_chunk(memoryview(host[row:row + s]), size, memoryview(out))
+        assert out.tobytes() == raw[off:off + size].numpy().tobytes()
+    # CPU -> GPU
+    frames = [codec.encode_chunk(memoryview(raw[off:off + size].numpy())) for off, size in zip(offsets, sizes)]
+    slab.zero_()
+    for row, f in zip((0, stride), frames):
+        slab[row:row + len(f)] = torch.frombuffer(bytearray(f), dtype=torch.uint8).cuda()
+    back = torch.zeros_like(graw)
+    out = torch.zeros_like(graw)
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        codec.decode_batch(stream, CHUNK, slab, [0, stride], [len(f) for f in frames], back, offsets, sizes)
+        codec.unpack(out, back, CHUNK)
+    stream.synchronize()
+    assert torch.equal(out.cpu(), raw)

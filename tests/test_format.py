@@ -1,0 +1,120 @@
+"""Format v1: manifests and indexes from disk are validated before anything is opened or sized."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import tiered
+from tiered.format import Manifest, RankIndex
+from tiered.errors import FormatError
+
+
+@pytest.fixture
+def saved(tmp_path, tier_config):
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.save(1, {"w": torch.randn(300_000), "b": torch.ones(3), "meta": {"step": 1}}).wait()
+    d = tmp_path / "local" / "step_000000000001"
+    return d, json.loads((d / "rank_00000.index.json").read_bytes()), json.loads((d / "MANIFEST.json").read_bytes())
+
+
+def _index(doc) -> RankIndex:
+    return RankIndex.from_json(json.dumps(doc).encode(), "idx")
+
+
+def test_index_and_manifest_round_trip(saved):
+    _, index, manifest = saved
+    idx = _index(index)
+    assert json.loads(idx.to_json()) == index
+    m = Manifest.from_json(json.dumps(manifest).encode(), "m")
+    assert json.loads(m.to_json()) == manifest
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(version=2), "format version 2 is not supported"),
+    (lambda d: d.update(format="zip"), "not a tiered-index"),
+    (lambda d: d.update(data_file="../../etc/passwd"), "not a plain file name"),
+    (lambda d: d.update(data_file="/etc/passwd"), "not a plain file name"),
+    (lambda d: d.update(data_file=".."), "not a plain file name"),
+    (lambda d: d.update(chunk_size=-1), "chunk_size"),
+    (lambda d: d.update(data_bytes=2**60), "data_bytes"),
+    (lambda d: d.update(checksum="md5"), "unknown checksum"),
+    (lambda d: d["tensors"][-1].update(dtype="object"), "unknown dtype 'object'"),
+    (lambda d: d["tensors"][-1].update(shape=[-1]), "bad shape"),
+    (lambda d: d["tensors"][-1].update(shape=[2**47, 2**47]), "chunks do not cover"),
+    (lambda d: d["tensors"][-1].update(codec={"name": "lzma"}), "unknown codec 'lzma'"),
+    (lambda d: d["tensors"][-1]["chunks"].pop(), "chunks do not cover"),
+    (lambda d: d["tensors"][0].update(codec={"name": "zstd", "configuration": {"shuffle": 3}}), "bad zstd configuration"),
+    (lambda d: d["tensors"][0].update(codec={"name": "ans", "configuration": {"data_type": "<f8"}}), "bad ans configuration"),
+    (lambda d: d["tensors"][0].update(codec={"name": "zstd", "configuration": {"shuffle": [1]}}), "bad codec description"),
+    (lambda d: d["tensors"][-1]["chunks"][0].__setitem__(0, 4097), "outside the data file .* or overlaps"),
+    (lambda d: d["tensors"][-1]["chunks"][0].__setitem__(1, 2**50), "outside the data file"),
+    (lambda d: d["tensors"][-1]["chunks"][0].__setitem__(1, -5), "outside the data file"),
+    (lambda d: d["tensors"][-1]["chunks"][0].__setitem__(2, 10**9), "raw size"),
+    (lambda d: d["tensors"][-1]["chunks"][0].__setitem__(3, "zz"), "64-bit hex checksum"),
+    (lambda d: d["tensors"][-1]["chunks"][0].append(1), "malformed"),
+    (lambda d: d["tensors"][-1].update(index=7), "tensor indices"),
+    (lambda d: d.update(skeleton={"$dict": []}), "skeleton refers to tensors"),
+])
+def test_hostile_index_is_rejected(saved, mutate, message):
+    _, index, _ = saved
+    mutate(index)
+    with pytest.raises(FormatError, match=message):
+        _index(index)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["ranks"][0].update(index_file="../x.json"), "not a plain file name"),
+    (lambda d: d["ranks"][0].update(data_file="/abs"), "not a plain file name"),
+    (lambda d: d.update(world_size=2), "lists ranks"),
+    (lambda d: d["ranks"][0].update(index_bytes=2**40), "index_bytes"),
+    (lambda d: d.update(version="1"), "format version"),
+])
+def test_hostile_manifest_is_rejected(saved, mutate, message):
+    _, _, manifest = saved
+    mutate(manifest)
+    with pytest.raises(FormatError, match=message):
+        Manifest.from_json(json.dumps(manifest).encode(), "m")
+
+
+def test_engine_refuses_traversal_in_manifest(saved, tmp_path, tier_config):
+    d, _, manifest = saved
+    manifest["ranks"][0]["index_file"] = "../../../../etc/passwd"
+    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+    with tiered.Engine.from_config(tier_config()) as engine:
+        with pytest.raises(FormatError, match="not a plain file name"):
+            engine.restore({"w": torch.zeros(300_000), "b": torch.zeros(3)})
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=json_values)
+def test_parsers_fail_only_with_format_error(doc):
+    raw = json.dumps(doc).encode()
+    for parse in (RankIndex.from_json, Manifest.from_json):
+        try:
+            parse(raw, "fuzz")
+        except FormatError:
+            pass
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_real_index_fails_only_with_format_error(saved, data):
+    _, index, _ = saved
+    doc = json.loads(json.dumps(index))
+    t = doc["tensors"][data.draw(st.integers(0, len(doc["tensors"]) - 1))]
+    key = data.draw(st.sampled_from(["dtype", "shape", "chunks", "codec", "index", "name"]))
+    t[key] = data.draw(json_values)
+    try:
+        _index(doc)
+    except FormatError:
+        pass

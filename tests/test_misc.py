@@ -1,0 +1,97 @@
+"""Checksum agreement between CPU and torch, lazy GPU imports, the tree encoding."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from tiered import tree
+from tiered.checksum import to_u64, wsum64, wsum64_rows_torch
+from tiered.staging import RowRing
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 4095, 4096, 100_003])
+def test_wsum64_cpu_matches_torch_rows_and_padding(size):
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    stride = 4096 * (1 + size // 4096)
+    row = torch.zeros(1, stride, dtype=torch.uint8)
+    row[0, :size] = torch.from_numpy(data)
+    assert to_u64(int(wsum64_rows_torch(row)[0])) == wsum64(data)
+    assert wsum64(np.concatenate([data, np.zeros(4096, np.uint8)])) == wsum64(data), "zero padding adds nothing"
+
+
+def test_wsum64_detects_flips_and_swaps():
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes())
+    base = wsum64(data)
+    for pos in (0, 1, 4095, 65535):
+        for bit in range(8):
+            data[pos] ^= 1 << bit
+            assert wsum64(data) != base
+            data[pos] ^= 1 << bit
+    swapped = bytearray(data)
+    swapped[0:4], swapped[8:12] = data[8:12], data[0:4]
+    assert data[0:4] == data[8:12] or wsum64(swapped) != base
+
+
+def test_import_tiered_needs_no_cuda_libraries():
+    code = ("import sys, tiered, tiered.engine, tiered.gpu; "
+            "bad = [m for m in sys.modules if m.startswith(('kvikio', 'nvidia.nvcomp', 'cupy'))]; "
+            "assert not bad, bad; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_tree_round_trip_and_types():
+    state = OrderedDict(a=[1, (2.5, None)], b={1: "x", (1, 2): b"\x00"}, c=float("-inf"), d=torch.float16,
+                        e=torch.Size([2, 3]), f=np.float32(1.5), g=torch.device("cpu"), h=torch.ones(2))
+    skeleton, leaves = tree.flatten(state)
+    import json
+
+    skeleton = json.loads(json.dumps(skeleton, allow_nan=False))
+    back = tree.decode(skeleton, lambda i: leaves[i].tensor)
+    assert type(back) is OrderedDict and back["b"][(1, 2)] == b"\x00" and back["c"] == float("-inf")
+    assert back["d"] is torch.float16 and back["e"] == torch.Size([2, 3]) and back["f"].dtype == np.float32
+    assert tree.path_str(leaves[0].path) == "h"
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"s": {1, 2}}, "s: cannot checkpoint an object of type builtins.set"),
+    ({"x": [lambda: 0]}, r"x\[0\]: cannot checkpoint"),
+    ({frozenset(): 1}, "dict key"),
+    ({"o": np.array([object()])}, "without pickling"),
+])
+def test_tree_refuses(bad, message):
+    with pytest.raises(TypeError, match=message):
+        tree.flatten(bad)
+
+
+@pytest.mark.parametrize("node", [{"$tensor": -1}, {"$weird": 1}, {"$dtype": "os"}, {"$float": "1e9"},
+                                  {"$bytes": "!!"}, {"$dict": [[1, 2], 3]}])
+def test_tree_decode_rejects_malformed(node):
+    with pytest.raises((ValueError, TypeError)):
+        tree.decode(node, lambda i: None)
+
+
+def test_row_ring_fifo_wraps_and_blocks():
+    import threading
+
+    ring = RowRing(10)
+    a = ring.acquire(6)
+    b = ring.acquire(4)
+    assert (a, b) == (0, 6) and ring.try_acquire(1) is None
+    got = []
+    t = threading.Thread(target=lambda: got.append(ring.acquire(5)))
+    t.start()
+    t.join(0.1)
+    assert not got, "must block while the rows are held"
+    ring.release(a)
+    t.join(2)
+    assert got == [0]
+    with pytest.raises(ValueError):
+        ring.acquire(11)
