@@ -190,7 +190,7 @@ class GpuDevice:
 
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
         """Zero each GPU row past its chunk and return the rows' wsum64 checksums."""
-        with torch.cuda.stream(self.writer_stream):
+        with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
             self.writer_stream.wait_event(seg.ready)
             sizes_t = torch.tensor(sizes, dtype=torch.int64, device=self.device)
             cols = torch.arange(seg.rows.shape[1], device=self.device)
@@ -206,28 +206,37 @@ class GpuDevice:
     # --- restore -----------------------------------------------------------------------
     def restore(self, items: Sequence[tuple[TensorRecord, torch.Tensor]], reader: Any, chunk_size: int) -> None:
         """Decode `items` (record, destination tensor) from `reader` into the destinations."""
+        with torch.cuda.device(self.index):
+            self._restore(items, reader, chunk_size)
+
+    def _restore(self, items, reader, chunk_size) -> None:
         work: list[tuple[TensorRecord, torch.Tensor, torch.Tensor]] = []
         for rec, dst in items:
-            tmp = dst if (dst.is_cuda and dst.device.index == self.index and dst.is_contiguous()) else \
-                torch.empty(rec.shape, dtype=rec.torch_dtype, device=self.device)
-            work.append((rec, dst, tmp))
+            direct = dst.is_cuda and dst.device.index == self.index and dst.is_contiguous()
+            work.append((rec, dst, dst if direct else torch.empty(rec.shape, dtype=rec.torch_dtype, device=self.device)))
         refs = [(rec, tmp, j) for rec, _, tmp in work for j in range(len(rec.chunks))]
         if refs:
             stride = round_up(max(rec.chunks[j].extent for rec, _, j in refs), ALIGNMENT)
-            rows_cap = max(1, min(len(refs), self.budgets.gpu_buffer // stride))
-            pack_cap = min(self.budgets.pack_buffer, sum(round_up(rec.chunks[j].raw_size, _PACK_ALIGN)
-                                                        for rec, _, j in refs))
-            slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=self.device)
-            pack = torch.empty(max(pack_cap, chunk_size), dtype=torch.uint8, device=self.device)
+            max_rows = max(1, self.budgets.gpu_buffer // stride)
+            waves: list[tuple[int, int]] = []
             i = 0
             while i < len(refs):
                 k, used = i, 0
-                while k < len(refs) and k - i < rows_cap and used + round_up(refs[k][0].chunks[refs[k][2]].raw_size,
-                                                                             _PACK_ALIGN) <= pack.numel():
-                    used += round_up(refs[k][0].chunks[refs[k][2]].raw_size, _PACK_ALIGN)
+                while k < len(refs) and k - i < max_rows:
+                    need = round_up(refs[k][0].chunks[refs[k][2]].raw_size, _PACK_ALIGN)
+                    if k > i and used + need > self.budgets.pack_buffer:
+                        break
+                    used += need
                     k += 1
-                self._restore_wave(refs[i:k], reader, slab, stride, pack, chunk_size)
+                waves.append((i, k))
                 i = k
+            rows_cap = max(k - i for i, k in waves)
+            slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=self.device)
+            pack = torch.empty(min(self.budgets.pack_buffer, sum(
+                round_up(rec.chunks[j].raw_size, _PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
+                dtype=torch.uint8, device=self.device)
+            for i, k in waves:
+                self._restore_wave(refs[i:k], reader, slab, stride, pack, chunk_size)
         for rec, dst, tmp in work:
             if tmp is not dst:
                 dst.copy_(tmp)

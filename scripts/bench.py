@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""Benchmark tiered on a realistic checkpoint: a GPT-style model trained with AdamW.
+
+The model (default ~200M parameters on a GPU) is trained for a few hundred steps on the Python
+standard library's own source files (byte-level tokens), with bf16 autocast and fp32 master
+weights, so weights and Adam moments have real statistics. Then it measures, on that state:
+
+  - save(): the call's duration and the training stall (the call plus the GPU work the
+    training stream must wait for), cold (first save) and warm;
+  - time until durable (fsync'd and committed on the local tier), bytes written, saved %
+    per category (fp32 weights, Adam exp_avg, exp_avg_sq) and for bf16 weights;
+  - restore into the model's GPU tensors (page cache dropped where permitted), bit-exact;
+  - CPU-written zstd restored on the GPU, GPU-written zstd restored on the CPU.
+
+    python scripts/bench.py                  # GPU, ~200M parameters
+    python scripts/bench.py --device cpu     # CPU mode: small model, smoke test
+
+Results print as a table and go to --out as JSON. Numbers belong here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tiered  # noqa: E402
+from tiered.format import RankIndex  # noqa: E402
+
+
+# --- a small GPT ---------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d: int, layers: int, heads: int, ctx: int, vocab: int = 256):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def shape_for(params: float) -> tuple[int, int, int]:
+    """(width, layers, heads) for about `params` parameters (12 d^2 per layer)."""
+    for d, heads in ((2048, 16), (1536, 12), (1024, 16), (768, 12), (512, 8), (384, 6), (256, 4), (128, 4)):
+        layers = round(params / (12 * d * d))
+        if layers >= 4:
+            return d, layers, heads
+    return 128, 4, 4
+
+
+def stdlib_corpus(limit: int) -> torch.Tensor:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, n = [], 0
+    for path in sorted(root.rglob("*.py")):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        out.append(data)
+        n += len(data)
+        if n >= limit:
+            break
+    return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).long()
+
+
+def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    d, layers, heads = shape_for(params)
+    model = GPT(d, layers, heads, ctx).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    data = stdlib_corpus(64 << 20 if device == "cuda" else 4 << 20).to(device)
+    t0 = time.perf_counter()
+    loss = float("nan")
+    for step in range(steps):
+        ix = torch.randint(0, data.numel() - ctx - 1, (batch,), device=device)
+        x = torch.stack([data[i:i + ctx] for i in ix])
+        y = torch.stack([data[i + 1:i + ctx + 1] for i in ix])
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=True):
+            loss = F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    n = sum(p.numel() for p in model.parameters())
+    return model, opt, dict(params=n, width=d, layers=layers, train_steps=steps, final_loss=round(loss.item(), 3),
+                            train_s=round(time.perf_counter() - t0, 1))
+
+
+# --- measurements ----------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def category(name: str) -> str:
+    last = name.rsplit(".", 1)[-1]
+    if name.startswith("optim."):
+        return last if last in ("exp_avg", "exp_avg_sq") else "optim-other"
+    return "weights"
+
+
+def ratios(engine: tiered.Engine, step: int) -> dict[str, float]:
+    _, index = engine.read_index(step)
+    raw: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for t in index.tensors:
+        c = category(t.name)
+        raw[c] = raw.get(c, 0) + t.nbytes
+        stored[c] = stored.get(c, 0) + t.stored_bytes
+    out = {c: round(100 * (1 - stored[c] / raw[c]), 2) for c in raw if raw[c]}
+    out["all"] = round(100 * (1 - sum(stored.values()) / sum(raw.values())), 2)
+    return out
+
+
+def bit_exact(a: dict, b: dict) -> bool:
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, dict):
+            if not bit_exact(v, w):
+                return False
+        elif isinstance(v, torch.Tensor):
+            if v.dtype != w.dtype or v.shape != w.shape or not torch.equal(
+                    v.reshape(-1).view(torch.uint8).cpu(), w.reshape(-1).view(torch.uint8).cpu()):
+                return False
+    return True
+
+
+def measure_saves(engine, state, device, repeats, first_step):
+    rows = []
+    for r in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        handle = engine.save(first_step + r, state)
+        t_call = time.perf_counter() - t0
+        sync(device)  # the training stream: it waits for compression to have read the tensors
+        t_stall = time.perf_counter() - t0
+        manifest = handle.wait()
+        t_durable = time.perf_counter() - t0
+        rows.append(dict(step=first_step + r, call_ms=round(1e3 * t_call, 2), stall_ms=round(1e3 * t_stall, 2),
+                         durable_s=round(t_durable, 3), raw_bytes=manifest.raw_bytes,
+                         stored_bytes=manifest.stored_bytes, saved_pct=round(100 * manifest.saved_fraction, 2)))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--params", type=float, default=None, help="model size (default 200e6 GPU, 3e6 CPU)")
+    ap.add_argument("--train-steps", type=int, default=None, help="default 200 GPU, 20 CPU")
+    ap.add_argument("--repeats", type=int, default=3, help="warm saves measured after the first (cold) one")
+    ap.add_argument("--dir", default="./.tiered/bench", help="local tier root (wiped)")
+    ap.add_argument("--out", default=None, help="write results JSON here")
+    args = ap.parse_args()
+    dev = args.device
+    params = args.params or (200e6 if dev == "cuda" else 3e6)
+    steps = args.train_steps if args.train_steps is not None else (200 if dev == "cuda" else 20)
+    ctx, batch = (256, 16) if dev == "cuda" else (128, 8)
+
+    model, opt, info = train(dev, params, steps, ctx, batch)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    info.update(device=torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
+                state_gb=round(state_bytes / 1e9, 3), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                tiered=tiered.__version__)
+    print(f"# state: {info['params'] / 1e6:.0f}M parameters, {state_bytes / 1e9:.2f} GB (fp32 weights + AdamW), "
+          f"trained {steps} steps in {info['train_s']} s, loss {info['final_loss']}", flush=True)
+    results: dict = {"info": info}
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+
+    codecs = ["ans", "zstd"] if dev == "cuda" else ["zstd"]
+    for codec in codecs:
+        cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / codec), "codec": codec}]}
+        with tiered.Engine.from_config(cfg) as engine:
+            saves = measure_saves(engine, state, dev, 1 + args.repeats, first_step=1)
+            r = {"saves": saves, "ratios": ratios(engine, 1), "io": engine.read_index(1)[1].io}
+            bf16 = {"model": {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                              for k, v in state["model"].items()}}
+            engine.save(100, bf16).wait()
+            r["bf16_weights_saved_pct"] = ratios(engine, 100)["weights"]
+            target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                      "optim": opt.state_dict()}
+            dropped = drop_caches()
+            sync(dev)
+            t0 = time.perf_counter()
+            engine.restore(target, step=1)
+            sync(dev)
+            r["restore_s"] = round(time.perf_counter() - t0, 3)
+            r["restore_cold_cache"] = dropped
+            r["restore_bit_exact"] = bit_exact(state["model"], target["model"])
+            results[codec] = r
+        shutil.rmtree(root / codec, ignore_errors=True)
+
+    if dev == "cuda":
+        results["interop"] = interop(state, root / "interop")
+    print_table(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    ok = all(results[c]["restore_bit_exact"] for c in codecs) and results.get("interop", {}).get("ok", True)
+    return 0 if ok else 1
+
+
+def interop(state, root: Path) -> dict:
+    """CPU-written zstd restored on the GPU; GPU-written zstd restored on the CPU."""
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root), "codec": "zstd"}]}
+    model = state["model"]
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, {"model": {k: v.cpu() for k, v in model.items()}}).wait()
+        engine.save(2, {"model": model}).wait()
+        on_gpu = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
+        engine.restore(on_gpu, step=1)
+        cpu_to_gpu = bit_exact(model, on_gpu["model"])
+        gpu_to_cpu = bit_exact(model, engine.load(2, device="cpu")["model"])
+        ios = (engine.read_index(1)[1].io, engine.read_index(2)[1].io)
+    shutil.rmtree(root, ignore_errors=True)
+    return {"cpu_written_restored_on_gpu": cpu_to_gpu, "gpu_written_restored_on_cpu": gpu_to_cpu,
+            "writers": ios, "ok": cpu_to_gpu and gpu_to_cpu}
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def print_table(results: dict) -> None:
+    info = results["info"]
+    print(f"\n## {info['device']}, {info['date']}: {info['params'] / 1e6:.0f}M params, {info['state_gb']} GB state")
+    print("| codec | save() call ms (cold / warm median) | stall ms (cold / warm median) | durable s (warm) | "
+          "stored GB | saved % all / weights / exp_avg / exp_avg_sq | bf16 weights saved % | restore s | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for codec in ("ans", "zstd"):
+        r = results.get(codec)
+        if not r:
+            continue
+        s = r["saves"]
+        warm = s[1:] or s
+        med = lambda key: sorted(x[key] for x in warm)[len(warm) // 2]  # noqa: E731
+        ra = r["ratios"]
+        print(f"| {codec} | {s[0]['call_ms']} / {med('call_ms')} | {s[0]['stall_ms']} / {med('stall_ms')} | "
+              f"{med('durable_s')} | {s[0]['stored_bytes'] / 1e9:.3f} | {ra['all']} / {ra.get('weights')} / "
+              f"{ra.get('exp_avg')} / {ra.get('exp_avg_sq')} | {r['bf16_weights_saved_pct']} | {r['restore_s']}"
+              f"{'' if r['restore_cold_cache'] else ' (warm cache)'} | {r['restore_bit_exact']} |")
+    if "interop" in results:
+        i = results["interop"]
+        print(f"\nzstd interop: CPU-written -> GPU restore bit-exact: {i['cpu_written_restored_on_gpu']}; "
+              f"GPU-written -> CPU restore bit-exact: {i['gpu_written_restored_on_cpu']} (writers: {i['writers']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU verification in one call: the whole test suite (GPU tests included) and the benchmark.
+# Usage (on a CUDA machine, from the repository root):  bash scripts/gpu_check.sh [OUTDIR]
+# Expects tiered's GPU dependencies importable (pip install -e '.[cu13,test]', or PYTHONPATH).
+set -uo pipefail
+out=${1:-${OUT:-./gpu-check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{
+  date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, kvikio, kvikio.defaults; from nvidia import nvcomp; print('torch', torch.__version__, 'nvcomp', nvcomp.__version__, 'kvikio', kvikio.__version__, 'compat_mode_preferred', kvikio.defaults.is_compat_mode_preferred())"
+} 2>&1 | tee "$out/env.txt"
+python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$out/pytest.txt"
+tests=${PIPESTATUS[0]}
+python3 scripts/bench.py --out "$out/bench.json" --dir /tmp/tiered-bench 2>&1 | tee "$out/bench.txt"
+bench=${PIPESTATUS[0]}
+echo "pytest exit $tests, bench exit $bench"
+[ "$tests" = 0 ] && [ "$bench" = 0 ]
