@@ -184,6 +184,20 @@ def measure_saves(engine, state, device, repeats, first_step):
     return rows
 
 
+def profile_save(engine, state, device, step) -> None:
+    import cProfile
+    import pstats
+
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    handle = engine.save(step, state)
+    prof.disable()
+    handle.wait()
+    print(f"# profile of save(step={step}): top 12 by cumulative time", flush=True)
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(12)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -192,6 +206,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="warm saves measured after the first (cold) one")
     ap.add_argument("--dir", default="./.tiered/bench", help="local tier root (wiped)")
     ap.add_argument("--out", default=None, help="write results JSON here")
+    ap.add_argument("--profile", action="store_true", help="print where the last warm save() call spent its time")
     args = ap.parse_args()
     dev = args.device
     params = args.params or (200e6 if dev == "cuda" else 3e6)
@@ -215,6 +230,8 @@ def main() -> int:
         cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / codec), "codec": codec}]}
         with tiered.Engine.from_config(cfg) as engine:
             saves = measure_saves(engine, state, dev, 1 + args.repeats, first_step=1)
+            if args.profile:
+                profile_save(engine, state, dev, step=50)
             r = {"saves": saves, "ratios": ratios(engine, 1), "io": engine.read_index(1)[1].io}
             bf16 = {"model": {k: v.to(torch.bfloat16) if v.is_floating_point() else v
                               for k, v in state["model"].items()}}

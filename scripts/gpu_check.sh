@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/env.txt"
 python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$out/pytest.txt"
 tests=${PIPESTATUS[0]}
-python3 scripts/bench.py --out "$out/bench.json" --dir /tmp/tiered-bench 2>&1 | tee "$out/bench.txt"
+python3 scripts/bench.py --profile --out "$out/bench.json" --dir /tmp/tiered-bench 2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}
 echo "pytest exit $tests, bench exit $bench"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]

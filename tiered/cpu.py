@@ -42,13 +42,23 @@ def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
     chunks = [ChunkRef(p, j) for p in plans for j in range(p.nchunks)]
     if not chunks:
         return
-    host.reserve(sum(c.raw_size for c in chunks))
+    total = sum(c.raw_size for c in chunks)
+    host.reserve(total + 16 * host.page)  # slack: each wave rounds up to whole pages
     assert host.ring is not None
-    per_wave = max(1, (host.ring.rows * host.page) // chunk_size)
-    for w in range(0, len(chunks), per_wave):
-        wave = chunks[w:w + per_wave]
+    capacity = host.ring.rows * host.page
+    # One wave when it all fits; otherwise quarters of the pool, so copying overlaps writing.
+    limit = capacity - 16 * host.page if total + 16 * host.page <= capacity else max(chunk_size, capacity // 4)
+    waves: list[list[ChunkRef]] = [[]]
+    used = 0
+    for c in chunks:
+        if waves[-1] and used + c.raw_size > limit:
+            waves.append([])
+            used = 0
+        waves[-1].append(c)
+        used += c.raw_size
+    for wave in waves:
         nbytes = sum(c.raw_size for c in wave)
-        page = host.ring.acquire(min(host.pages(nbytes), host.ring.rows))
+        page = host.ring.acquire(host.pages(nbytes))
         raw = host.view(page, nbytes)
         pos = 0
         for plan, j0, n in pieces(wave):

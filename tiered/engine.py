@@ -80,6 +80,8 @@ class _Job:
     segments: "queue.Queue[Any]" = field(default_factory=queue.Queue)
     staging_over: bool = False
     """The writer has taken the last segment (the end marker or an abort)."""
+    aborted: bool = False
+    """save() failed while staging and raised that error itself."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -162,6 +164,7 @@ class Engine:
                 events.append(self._device(index).stage(plans, job.segments.put))
             cpu.snapshot(plan.cpu, self._host, self.config.chunk_size, job.segments.put)
         except BaseException as exc:
+            job.aborted = True
             job.segments.put(_Abort(exc))
             raise
         job.segments.put(_END)
@@ -349,9 +352,11 @@ class Engine:
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
                 _drain(job)
                 err = BackgroundSaveError(job.step, exc)
-                log.error("tiered: %s", err)
+                if not job.aborted:
+                    log.error("tiered: %s", err)
                 with self._lock:
-                    self._error = self._error or err
+                    if not job.aborted:  # an aborted save() already raised its own error
+                        self._error = self._error or err
                     self._inflight.pop(job.step, None)
                 if not job.handle.staged.done():
                     job.handle.staged.set_exception(err)

@@ -32,6 +32,7 @@ from tiered.errors import CorruptionError
 from tiered.format import ALIGNMENT, ChunkRecord, TensorRecord
 from tiered.plan import ChunkRef, TensorPlan, pieces
 from tiered.staging import HostPool, RowRing
+from tiered.tiers.local import wait_futures
 from tiered.units import round_up
 
 _PACK_ALIGN = 256
@@ -51,6 +52,8 @@ class RowsSegment:
     device: "GpuDevice"
 
     def sizes(self) -> list[int]:
+        # Wait through torch (it releases the GIL) before asking nvCOMP, whose wait may not.
+        self.ready.synchronize()
         out: list[int] = []
         for pending, n in self.pendings:
             got = pending.sizes()
@@ -250,8 +253,7 @@ class GpuDevice:
         self.stream.synchronize()
         futures = [reader.read_device_async(rec.chunks[j].offset, rec.chunks[j].extent, rows[r, :rec.chunks[j].extent])
                    for r, (rec, _, j) in enumerate(refs)]
-        for f in futures:
-            f.get()
+        wait_futures(futures)
         with torch.cuda.stream(self.stream):
             sums = []
             for r in range(0, n, _CHECKSUM_ROWS):

@@ -54,9 +54,18 @@ def codec(algorithm: str, stream: torch.cuda.Stream, chunk_size: int, data_type:
         return c
 
 
+_bounds: dict[tuple[Any, ...], int] = {}
+
+
 def max_compressed(algorithm: str, chunk_size: int, data_type: str | None = None) -> int:
-    stream = torch.cuda.current_stream()
-    return int(codec(algorithm, stream, chunk_size, data_type).get_max_comp_buffer_size(chunk_size))
+    """nvCOMP's bound on one compressed chunk (it is computed from an array of that size)."""
+    key = (algorithm, chunk_size, data_type)
+    if key not in _bounds:
+        stream = torch.cuda.current_stream()
+        probe = torch.empty(chunk_size, dtype=torch.uint8, device=stream.device)
+        c = codec(algorithm, stream, chunk_size, data_type)
+        _bounds[key] = int(c.get_max_comp_buffer_size(nvcomp().as_array(probe, cuda_stream=stream.cuda_stream)))
+    return _bounds[key]
 
 
 class _Pending:

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import shutil
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,7 @@ class LocalDataWriter:
 
     def wait(self) -> None:
         futures, self._futures = self._futures, []
-        for f in futures:
-            f.get()
+        wait_futures(futures)
 
     def close(self) -> int:
         """Wait, fsync, close. Returns the file size."""
@@ -170,6 +170,20 @@ class LocalDataWriter:
         if self._bounce is not None:
             self._bounce.close()
             self._bounce = None
+
+
+def wait_futures(futures: list[Any]) -> None:
+    """Wait for KvikIO futures without holding the GIL in a native wait.
+
+    A blocking `IOFuture.get()` may keep the GIL for the whole write; the training thread would
+    then stall behind the background writer. Polling `done()` leaves the GIL to other threads.
+    """
+    delay = 1e-4
+    for f in futures:
+        while not f.done():
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        f.get()
 
 
 def _is_aligned(buf: memoryview) -> bool:
