@@ -180,7 +180,10 @@ def measure_saves(engine, state, device, repeats, first_step):
         t_durable = time.perf_counter() - t0
         rows.append(dict(step=first_step + r, call_ms=round(1e3 * t_call, 2), stall_ms=round(1e3 * t_stall, 2),
                          durable_s=round(t_durable, 3), raw_bytes=manifest.raw_bytes,
-                         stored_bytes=manifest.stored_bytes, saved_pct=round(100 * manifest.saved_fraction, 2)))
+                         stored_bytes=manifest.stored_bytes, saved_pct=round(100 * manifest.saved_fraction, 2),
+                         phases_ms={k: round(v, 2) for k, v in handle.timings.items()}))
+        print(f"# save step {first_step + r}: call {1e3 * t_call:.1f} ms, stall {1e3 * t_stall:.1f} ms, phases "
+              + ", ".join(f"{k} {v:.1f}" for k, v in handle.timings.items()), flush=True)
     return rows
 
 

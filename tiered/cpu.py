@@ -18,7 +18,7 @@ from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
 from tiered.format import ALIGNMENT, TensorRecord
-from tiered.plan import ChunkRef, TensorPlan, pieces
+from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool
 from tiered.units import round_up
 
@@ -33,13 +33,13 @@ class RawSegment:
 
 
 def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
-             emit: Callable[[RawSegment], None]) -> None:
+             emit: Callable[[RawSegment], None], on_block: Callable[[], None]) -> None:
     """Copy CPU (or, without GPU codecs, CUDA) tensors into host staging, emitting segments.
 
     Blocks while the host budget is held by earlier segments (backpressure); a tensor larger
     than the budget is staged in pieces, each written before the next is copied.
     """
-    chunks = [ChunkRef(p, j) for p in plans for j in range(p.nchunks)]
+    chunks = chunk_refs(plans)
     if not chunks:
         return
     total = sum(c.raw_size for c in chunks)
@@ -58,7 +58,10 @@ def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
         used += c.raw_size
     for wave in waves:
         nbytes = sum(c.raw_size for c in wave)
-        page = host.ring.acquire(host.pages(nbytes))
+        page = host.ring.try_acquire(host.pages(nbytes))
+        if page is None:
+            on_block()
+            page = host.ring.acquire(host.pages(nbytes))
         raw = host.view(page, nbytes)
         pos = 0
         for plan, j0, n in pieces(wave):

@@ -57,6 +57,8 @@ class SaveHandle:
     stall_s: float = 0.0
     """Time `save()` blocked the caller."""
     raw_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    """Milliseconds spent in each phase of `save()` (plan, per-GPU stage phases, CPU snapshot)."""
 
     def wait(self, timeout: float | None = None) -> Manifest:
         """Block until persisted; return the committed manifest or raise the failure."""
@@ -82,6 +84,9 @@ class _Job:
     """The writer has taken the last segment (the end marker or an abort)."""
     aborted: bool = False
     """save() failed while staging and raised that error itself."""
+    go: threading.Event = field(default_factory=threading.Event)
+    """Set when save() has staged everything, or must wait for the writer to free memory.
+    Until then the writer leaves the job alone, so it does not contend with save() for the GIL."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -154,6 +159,7 @@ class Engine:
         plan = make_plan(leaves, self.config.fast_tier.codec, self.config.chunk_size, self._gpu_ready)
         self.tier.begin_step(step)
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
+        handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
         job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu))
         with self._lock:
             self._inflight[step] = handle
@@ -161,13 +167,19 @@ class Engine:
         events = []
         try:
             for index, plans in plan.gpu.items():
-                events.append(self._device(index).stage(plans, job.segments.put))
-            cpu.snapshot(plan.cpu, self._host, self.config.chunk_size, job.segments.put)
+                device = self._device(index)
+                events.append(device.stage(plans, job.segments.put, job.go.set))
+                handle.timings.update({f"cuda:{index}.{k}": v for k, v in device.timings.items()})
+            t1 = time.perf_counter()
+            cpu.snapshot(plan.cpu, self._host, self.config.chunk_size, job.segments.put, job.go.set)
+            handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
         except BaseException as exc:
             job.aborted = True
             job.segments.put(_Abort(exc))
+            job.go.set()
             raise
         job.segments.put(_END)
+        job.go.set()
         if events:
             threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
         else:
@@ -367,6 +379,7 @@ class Engine:
             job.handle.persisted.set_result(manifest)
 
     def _write(self, job: _Job) -> Manifest:
+        job.go.wait()
         data_name = data_file_name(self.rank)
         writer = self.tier.open_data_writer(job.step, data_name, device=job.device_io)
         chunks: dict[int, list[ChunkRecord]] = {p.index: [] for p in job.plan.all}
@@ -452,6 +465,7 @@ def _write_rows(seg: Any, writer: Any, place: Any) -> None:
 
 def _drain(job: _Job) -> None:
     """After a failure: release every staged segment still coming, so save() never deadlocks."""
+    job.go.wait()
     while not job.staging_over:
         seg = job.segments.get()
         if seg is _END or isinstance(seg, _Abort):

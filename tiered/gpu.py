@@ -19,6 +19,7 @@ Imported only when CUDA is in use.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -30,7 +31,7 @@ from tiered.codecs.base import PendingSizes
 from tiered.config import Budgets, ZstdSettings
 from tiered.errors import CorruptionError
 from tiered.format import ALIGNMENT, ChunkRecord, TensorRecord
-from tiered.plan import ChunkRef, TensorPlan, pieces
+from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool, RowRing
 from tiered.tiers.local import wait_futures
 from tiered.units import round_up
@@ -83,6 +84,8 @@ class GpuDevice:
     _stride: int = field(default=0, init=False)
     _pack: torch.Tensor | None = field(default=None, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    timings: dict[str, float] = field(default_factory=dict, init=False)
+    """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
 
     def __post_init__(self) -> None:
         dev = torch.device("cuda", self.index)
@@ -109,12 +112,18 @@ class GpuDevice:
                 self._pack = torch.empty(self.budgets.pack_buffer, dtype=torch.uint8, device=self.device)
 
     # --- save --------------------------------------------------------------------------
-    def stage(self, plans: Sequence[TensorPlan], emit: Callable[[RowsSegment], None]) -> torch.cuda.Event:
+    def stage(self, plans: Sequence[TensorPlan], emit: Callable[[RowsSegment], None],
+              on_block: Callable[[], None]) -> torch.cuda.Event:
         """Pack and compress `plans` (all on this device) into slab rows, emitting segments.
 
         Returns the event after which the tensors may change; the current stream waits on it.
+        `on_block` is called before waiting for rows that the background writer must free.
         """
-        chunks = [ChunkRef(p, j) for p in plans for j in range(p.nchunks)]
+        clock = time.perf_counter
+        t = {"order_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "spill_ms": 0.0}
+        self.timings = t
+        t0 = clock()
+        chunks = chunk_refs(plans)
         if not chunks:
             return _recorded(torch.cuda.current_stream(self.device))
         self._ensure({p.spec for p in plans})
@@ -124,24 +133,36 @@ class GpuDevice:
         for p in plans:
             p.tensor.record_stream(self.stream)
         waves = _waves(chunks, pack.numel(), ring.rows, self.chunk_size)
+        t["order_ms"] = 1e3 * (clock() - t0)
         if len(chunks) > ring.rows:
             self.host.reserve((len(chunks) - ring.rows + len(waves[0])) * stride)
         remaining = len(chunks)
         reads_done = None
         for wi, wave in enumerate(waves):
-            start = ring.acquire(len(wave))
+            t1 = clock()
+            start = ring.try_acquire(len(wave))
+            if start is None:
+                on_block()
+                start = ring.acquire(len(wave))
             rows = self._slab[start * stride:(start + len(wave)) * stride].view(len(wave), stride)
+            t2 = clock()
             with torch.cuda.stream(self.stream):
                 offsets = self._pack_wave(wave, pack)
                 if wi == len(waves) - 1:
                     reads_done = _recorded(self.stream)
+                t3 = clock()
                 pendings = self._encode_wave(wave, offsets, pack, start, stride)
+            t4 = clock()
             remaining -= len(wave)
             seg = RowsSegment(wave, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
                               on_gpu=True, device=self)
             if remaining and ring.free_rows() < min(remaining, ring.rows):
                 seg = self._maybe_spill(seg, ring, start)
             emit(seg)
+            t["wait_rows_ms"] += 1e3 * (t2 - t1)
+            t["pack_ms"] += 1e3 * (t3 - t2)
+            t["encode_ms"] += 1e3 * (t4 - t3)
+            t["spill_ms"] += 1e3 * (clock() - t4)
         assert reads_done is not None
         torch.cuda.current_stream(self.device).wait_event(reads_done)
         return reads_done

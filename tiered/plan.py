@@ -23,10 +23,7 @@ class TensorPlan:
     spec: CodecSpec
     is_numpy: bool
     chunk_size: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+    nbytes: int
 
     @property
     def nchunks(self) -> int:
@@ -36,14 +33,15 @@ class TensorPlan:
         return min(self.chunk_size, self.nbytes - j * self.chunk_size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRef:
     plan: TensorPlan
     j: int
+    raw_size: int
 
-    @property
-    def raw_size(self) -> int:
-        return self.plan.raw_size(self.j)
+
+def chunk_refs(plans: "tuple[TensorPlan, ...] | list[TensorPlan]") -> list[ChunkRef]:
+    return [ChunkRef(p, j, p.raw_size(j)) for p in plans for j in range(p.nchunks)]
 
 
 def pieces(chunks: "list[ChunkRef] | tuple[ChunkRef, ...]") -> list[tuple[TensorPlan, int, int]]:
@@ -91,7 +89,7 @@ def make_plan(leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: 
         t = leaf.tensor
         dtype_name(t.dtype)  # refuses dtypes the format cannot store, naming them
         spec = choose_codec(t, tier_codec, gpu_codecs)
-        p = TensorPlan(i, path_str(leaf.path), t, spec, leaf.is_numpy, chunk_size)
+        p = TensorPlan(i, path_str(leaf.path), t, spec, leaf.is_numpy, chunk_size, t.numel() * t.element_size())
         if t.is_cuda and gpu_codecs:
             gpu.setdefault(t.device.index, []).append(p)
         else:
