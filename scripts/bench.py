@@ -22,77 +22,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiered  # noqa: E402
-from tiered.format import RankIndex  # noqa: E402
-
-
-# --- a small GPT ---------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, d: int, layers: int, heads: int, ctx: int, vocab: int = 256):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln(x))
-
-
-def shape_for(params: float) -> tuple[int, int, int]:
-    """(width, layers, heads) for about `params` parameters (12 d^2 per layer)."""
-    for d, heads in ((2048, 16), (1536, 12), (1024, 16), (768, 12), (512, 8), (384, 6), (256, 4), (128, 4)):
-        layers = round(params / (12 * d * d))
-        if layers >= 4:
-            return d, layers, heads
-    return 128, 4, 4
-
-
-def stdlib_corpus(limit: int) -> torch.Tensor:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out, n = [], 0
-    for path in sorted(root.rglob("*.py")):
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        out.append(data)
-        n += len(data)
-        if n >= limit:
-            break
-    return torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).long()
+from gptmodel import GPT, batch as batch_of, shape_for, stdlib_corpus  # noqa: E402
 
 
 def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: int = 0):
@@ -104,9 +47,7 @@ def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: in
     t0 = time.perf_counter()
     loss = float("nan")
     for step in range(steps):
-        ix = torch.randint(0, data.numel() - ctx - 1, (batch,), device=device)
-        x = torch.stack([data[i:i + ctx] for i in ix])
-        y = torch.stack([data[i + 1:i + ctx + 1] for i in ix])
+        x, y = batch_of(data, ctx, batch)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=True):
             loss = F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
         opt.zero_grad(set_to_none=True)

@@ -15,5 +15,8 @@ python3 -m pytest -q -ra -p no:cacheprovider tests/ 2>&1 | tee "$out/pytest.txt"
 tests=${PIPESTATUS[0]}
 python3 scripts/bench.py --profile --out "$out/bench.json" --dir /tmp/tiered-bench 2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}
-echo "pytest exit $tests, bench exit $bench"
-[ "$tests" = 0 ] && [ "$bench" = 0 ]
+repo=$(pwd)
+(cd "$(mktemp -d)" && python3 "$repo/scripts/demo.py" --steps 60 && python3 "$repo/scripts/demo.py" --steps 20) 2>&1 | tee "$out/demo.txt"
+demo=${PIPESTATUS[0]}
+echo "pytest exit $tests, bench exit $bench, demo exit $demo"
+[ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$demo" = 0 ]

@@ -133,6 +133,18 @@ class Engine:
         self.close(raise_errors=exc_type is None)
 
     # --- queries -------------------------------------------------------------------------
+    @property
+    def gpu_codecs(self) -> bool:
+        """GPU tensors are compressed on the GPU and written through KvikIO (CUDA, nvCOMP and KvikIO present)."""
+        return self._gpu_ready
+
+    def describe(self) -> str:
+        """One line: where checkpoints go and how they are encoded on this machine."""
+        codec = self.config.fast_tier.codec
+        how = (f"GPU tensors: {codec} on the GPU via KvikIO; CPU tensors: zstd" if self._gpu_ready else
+               f"no GPU codecs here: every tensor is compressed with {'zstd' if codec == 'ans' else codec} on the CPU")
+        return f"tier {self.tier.name!r} at {self.tier.root} ({how})"
+
     def steps(self) -> list[int]:
         """Committed steps on the fast tier, ascending."""
         return self.tier.steps()

@@ -5,6 +5,7 @@ Pure data in, frozen data out: no I/O and no device work happens here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,19 +68,19 @@ class SavePlan:
         return tuple(p for group in self.gpu.values() for p in group) + self.cpu
 
 
-def choose_codec(tensor: torch.Tensor, tier_codec: str, gpu_codecs: bool) -> CodecSpec:
-    """The tier's codec where it can run for this tensor; zstd for tensors a GPU codec cannot reach.
+@functools.lru_cache(maxsize=256)
+def choose_codec(tier_codec: str, dtype: torch.dtype, on_gpu: bool) -> CodecSpec:
+    """The tier's codec where it can run; zstd where it cannot.
 
-    `ans` runs only on GPU tensors with nVCOMP present; CPU tensors (RNG states, counters, a
-    CPU-only run) get `zstd`, which every machine decodes.
+    `on_gpu`: the tensor is on a GPU and the GPU codecs (nvCOMP) are present. `ans` runs only
+    there; CPU tensors (RNG states, counters, a CPU-only run) get `zstd`, which every machine
+    decodes. Pure: the same inputs always give the same spec.
     """
     name = tier_codec
-    cls = get_codec_class(name)
-    if not cls.cpu_capable and not (tensor.is_cuda and gpu_codecs):
+    if not get_codec_class(name).cpu_capable and not on_gpu:
         name = "zstd"
-    if tensor.is_cuda and not gpu_codecs:
-        name = "zstd" if name != "none" else name
-    return get_codec_class(name).spec_for(tensor.dtype)
+    dtype_name(dtype)  # refuses dtypes the format cannot store, naming them
+    return get_codec_class(name).spec_for(dtype)
 
 
 def make_plan(leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: bool) -> SavePlan:
@@ -87,10 +88,10 @@ def make_plan(leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: 
     cpu: list[TensorPlan] = []
     for i, leaf in enumerate(leaves):
         t = leaf.tensor
-        dtype_name(t.dtype)  # refuses dtypes the format cannot store, naming them
-        spec = choose_codec(t, tier_codec, gpu_codecs)
+        on_gpu = t.is_cuda and gpu_codecs
+        spec = choose_codec(tier_codec, t.dtype, on_gpu)
         p = TensorPlan(i, path_str(leaf.path), t, spec, leaf.is_numpy, chunk_size, t.numel() * t.element_size())
-        if t.is_cuda and gpu_codecs:
+        if on_gpu:
             gpu.setdefault(t.device.index, []).append(p)
         else:
             cpu.append(p)

@@ -47,6 +47,20 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
 
 
 def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
+    kind = type(obj)
+    if kind is str or kind is int or kind is bool or obj is None:
+        return obj
+    if kind is dict or kind is OrderedDict:
+        items = []
+        for k, v in obj.items():
+            if type(k) is not str:
+                if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                    raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
+                k_enc = _encode(k, path, [])
+            else:
+                k_enc = k
+            items.append([k_enc, _encode(v, path + (k,), leaves)])
+        return {"$odict" if kind is OrderedDict else "$dict": items}
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
             raise StateDictError(f"{path_str(path)}: {obj.layout} / quantized / nested tensors are not supported")
