@@ -369,3 +369,20 @@ def test_ans_saves_space_on_trained_fp32_and_bf16(tier_config):
     # Small model: ratios are lower than the 200M-parameter benchmark's, but must show typed ANS at work.
     assert m32.saved_fraction > 0.10, m32
     assert m16.saved_fraction > 0.25, m16
+
+
+def test_script_ending_right_after_save_still_commits(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, tiered
+        cfg = {{"tiers": [{{"name": "local", "kind": "local", "path": {str(tmp_path / "local")!r}}}]}}
+        engine = tiered.Engine.from_config(cfg)
+        engine.save(7, {{"w": torch.arange(3_000_000, dtype=torch.float32)}})
+        # no wait(), no close(): the interpreter exits now
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "local")}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        assert engine.steps() == [7]
+        assert torch.equal(engine.load()["w"], torch.arange(3_000_000, dtype=torch.float32))

@@ -10,7 +10,6 @@ embedded default (``./.tiered/...``) lands beside the training script.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -291,7 +290,3 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
     f.finish()
     return tier
 
-
-def replace(config: Config, **changes: Any) -> Config:
-    """A copy of `config` with some top-level fields changed (config objects are frozen)."""
-    return dataclasses.replace(config, **changes)

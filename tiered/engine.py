@@ -9,12 +9,14 @@ writes the index, and commits the manifest. Its failures are kept and re-raised 
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -118,8 +120,14 @@ class Engine:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._api_lock = threading.RLock()  # save/restore/load from several threads run one at a time
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
+        # A script that ends right after save() must not lose that checkpoint with the daemon writer.
+        # threading's exit hooks run before concurrent.futures shuts its pools down (which would
+        # refuse the codec work) and before atexit; fall back to atexit where they are missing.
+        hook = getattr(threading, "_register_atexit", atexit.register)
+        hook(_finish_at_exit, weakref.ref(self))
 
     @classmethod
     def from_config(cls, source: ConfigInput = None) -> "Engine":
@@ -157,8 +165,15 @@ class Engine:
     def save(self, step: int, state_dict: Any) -> SaveHandle:
         """Snapshot `state_dict` as `step` and return once it may change again.
 
+        GPU tensors: the current CUDA stream is made to wait until compression has read them, so
+        later work on that stream (the training loop's) cannot change what is saved. Work on
+        other streams must wait for ``handle.staged`` first. CPU tensors are copied before return.
         Raises the failure of an earlier save's background work, if any, before starting.
         """
+        with self._api_lock:
+            return self._save(step, state_dict)
+
+    def _save(self, step: int, state_dict: Any) -> SaveHandle:
         t0 = time.perf_counter()
         self._check_open()
         self._raise_background_error()
@@ -243,16 +258,18 @@ class Engine:
         """
         self._check_open()
         self._raise_background_error()
-        step = self._resolve_step(step)
-        loaded = self._load(step, state_dict, strict=strict, device=None)
-        tree.merge_into(state_dict, loaded)
+        with self._api_lock:
+            step = self._resolve_step(step)
+            loaded = self._load(step, state_dict, strict=strict, device=None)
+            tree.merge_into(state_dict, loaded)
         return step
 
     def load(self, step: int | None = None, *, device: str | torch.device | None = None) -> Any:
         """A fresh copy of a step's state (default: latest), tensors on `device` or where they were saved."""
         self._check_open()
-        return self._load(self._resolve_step(step), {}, strict=False,
-                          device=torch.device(device) if device is not None else None)
+        with self._api_lock:
+            return self._load(self._resolve_step(step), {}, strict=False,
+                              device=torch.device(device) if device is not None else None)
 
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
@@ -473,6 +490,17 @@ def _write_rows(seg: Any, writer: Any, place: Any) -> None:
         row, n = rows[i], sizes[i]
         row[n:round_up(n, ALIGNMENT)] = 0
         writer.write_host(place(ref, n, checksum.wsum64(row[:n])), memoryview(row[:round_up(n, ALIGNMENT)]))
+
+
+def _finish_at_exit(ref: "weakref.ref[Engine]") -> None:
+    engine = ref()
+    if engine is None or engine._closed:
+        return
+    with engine._lock:
+        pending = sorted(engine._inflight)
+    if pending:
+        log.warning("tiered: waiting for in-flight saves of steps %s before exit", pending)
+    engine.close(raise_errors=False)
 
 
 def _drain(job: _Job) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -212,7 +212,6 @@ class Manifest:
     created: str
     writer: str = ""
     version: int = FORMAT_VERSION
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def saved_fraction(self) -> float:

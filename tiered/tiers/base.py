@@ -16,7 +16,7 @@ Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,6 +28,9 @@ class DataWriter(Protocol):
 
     def write_device(self, offset: int, buf: torch.Tensor) -> None: ...
 
+    def wait(self) -> None:
+        """Wait for every pending write (device writes are asynchronous)."""
+
     def close(self) -> int: ...
 
     def abort(self) -> None: ...
@@ -36,8 +39,12 @@ class DataWriter(Protocol):
 class DataReader(Protocol):
     path: str
     io_mode: str
+    size: int
 
     def read_host(self, offset: int, size: int) -> memoryview: ...
+
+    def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> Any:
+        """Start a read into GPU memory; returns a future with done() and get()."""
 
     def read_device(self, offset: int, size: int, out: torch.Tensor) -> None: ...
 
