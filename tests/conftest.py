@@ -1,22 +1,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from tiered.engine import gpu_stack_available
 
 
-def gpu_stack() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import kvikio  # noqa: F401
-        from nvidia import nvcomp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-HAS_GPU = gpu_stack()
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA with nvCOMP and KvikIO")
+HAS_GPU = gpu_stack_available()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -233,6 +233,7 @@ def test_background_failure_is_raised_on_next_save_then_recovers(tier_config, mo
         with pytest.raises(tiered.BackgroundSaveError, match=r"save\(step=1\)"):
             engine.save(2, {"w": torch.randn(1000)})
         assert engine.steps() == []
+        assert not engine.tier.step_dir(1).exists(), "a failed save's files are removed"
         monkeypatch.setattr(local.LocalDataWriter, "write_host", real)
         engine.save(2, {"w": torch.ones(1000)}).wait()
         engine.wait()

@@ -103,7 +103,7 @@ class Engine:
         fast = config.fast_tier
         self.tier = LocalTier(fast.name, fast.path, fast.direct_io)
         self.rank, self.world_size = 0, 1
-        self._gpu_ready = _gpu_stack_available()
+        self._gpu_ready = gpu_stack_available()
         if torch.cuda.is_available() and not self._gpu_ready:
             log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
                         "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
@@ -392,6 +392,7 @@ class Engine:
                 manifest = self._write(job)
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
                 _drain(job)
+                self.tier.discard(job.step)  # uncommitted: invisible anyway; frees the space
                 err = BackgroundSaveError(job.step, exc)
                 if not job.aborted:
                     log.error("tiered: %s", err)
@@ -523,7 +524,7 @@ def _complete_after(events: Sequence[Any], fut: Future) -> None:
         fut.set_exception(exc)
 
 
-def _gpu_stack_available() -> bool:
+def gpu_stack_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:

@@ -119,6 +119,10 @@ class GpuDevice:
         Returns the event after which the tensors may change; the current stream waits on it.
         `on_block` is called before waiting for rows that the background writer must free.
         """
+        with torch.cuda.device(self.index):
+            return self._stage(plans, emit, on_block)
+
+    def _stage(self, plans, emit, on_block) -> torch.cuda.Event:
         clock = time.perf_counter
         t = {"order_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "spill_ms": 0.0}
         self.timings = t

@@ -29,16 +29,6 @@ def nvcomp() -> Any:
     return mod
 
 
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        nvcomp()
-    except CodecUnavailableError:
-        return False
-    return True
-
-
 def codec(algorithm: str, stream: torch.cuda.Stream, chunk_size: int, data_type: str | None = None) -> Any:
     key = (algorithm, data_type, stream.cuda_stream, chunk_size)
     with _lock:

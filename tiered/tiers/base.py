@@ -9,6 +9,7 @@ step without one does not exist for any reader):
     w.close()                                     # waits for pending writes, fsyncs
     tier.write_file(step, index_name, bytes)      # per rank: index, durable before the manifest
     tier.commit(step, manifest_bytes)             # atomic: rename (filesystems) or last object (S3)
+    tier.discard(step)                            # instead of commit, after a failure
 
 Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
 ``open_data_reader`` take names validated by tiered.format (plain names inside the step).
@@ -63,6 +64,9 @@ class Tier(Protocol):
     def has_step(self, step: int) -> bool: ...
 
     def begin_step(self, step: int) -> None: ...
+
+    def discard(self, step: int) -> None:
+        """Remove an uncommitted step's files after a failed save; never touches a committed step."""
 
     def open_data_writer(self, step: int, name: str, device: bool) -> DataWriter: ...
 

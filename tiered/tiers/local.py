@@ -285,6 +285,12 @@ class LocalTier:
         except OSError as exc:
             raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
 
+    def discard(self, step: int) -> None:
+        """Remove an uncommitted step's files (never a committed step)."""
+        d = self.step_dir(step)
+        if d.is_dir() and not (d / MANIFEST_NAME).exists():
+            shutil.rmtree(d, ignore_errors=True)
+
     def open_data_writer(self, step: int, name: str, device: bool) -> LocalDataWriter:
         return LocalDataWriter(self.step_dir(step) / name, self.direct_io, device)
 
