@@ -387,3 +387,50 @@ def test_script_ending_right_after_save_still_commits(tmp_path):
     with tiered.Engine.from_config(cfg) as engine:
         assert engine.steps() == [7]
         assert torch.equal(engine.load()["w"], torch.arange(3_000_000, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("direct_io, expect", [("off", "posix-buffered"), ("auto", "posix-buffered")])
+def test_filesystem_without_o_direct(tmp_path, monkeypatch, direct_io, expect):
+    """auto falls back to buffered I/O where O_DIRECT is refused (tmpfs, some network FS); off never asks."""
+    from tiered.tiers import local
+
+    real_open = os.open
+    asked = []
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            asked.append(path)
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local.os, "open", no_direct)
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "direct_io": direct_io}]}
+    w = torch.randn(500_000)
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, {"w": w}).wait()
+        _, index = engine.read_index(1)
+        assert index.io == expect
+        assert torch.equal(engine.load()["w"].view(torch.int32), w.view(torch.int32))
+    assert bool(asked) == (direct_io == "auto" and hasattr(os, "O_DIRECT"))
+
+
+def test_direct_io_on_refused_is_a_clear_error(tmp_path, monkeypatch):
+    from tiered.tiers import local
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    monkeypatch.setattr(local.os, "open", no_direct)
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "direct_io": "on"}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        handle = engine.save(1, {"w": torch.randn(1000)})
+        with pytest.raises(tiered.BackgroundSaveError, match="cannot open with O_DIRECT.*direct_io: auto or off"):
+            handle.wait()
+        with pytest.raises(tiered.BackgroundSaveError):
+            engine.wait()

@@ -258,10 +258,12 @@ class Engine:
         """
         self._check_open()
         self._raise_background_error()
+        t0 = time.perf_counter()
         with self._api_lock:
             step = self._resolve_step(step)
             loaded = self._load(step, state_dict, strict=strict, device=None)
             tree.merge_into(state_dict, loaded)
+        log.info("tiered: restored step %d from tier %r in %.2f s", step, self.tier.name, time.perf_counter() - t0)
         return step
 
     def load(self, step: int | None = None, *, device: str | torch.device | None = None) -> Any:
