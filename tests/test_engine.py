@@ -434,3 +434,18 @@ def test_direct_io_on_refused_is_a_clear_error(tmp_path, monkeypatch):
             handle.wait()
         with pytest.raises(tiered.BackgroundSaveError):
             engine.wait()
+
+
+def test_small_chunks_and_many_chunks_per_tensor(tmp_path, device):
+    # 64 KiB chunks: a 6 MB tensor is ~92 chunks, more than one CPU read window.
+    cfg = {"chunk_size": "64KiB", "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path)}]}
+    state = {"w": torch.randn(1_500_000, device=device), "b": torch.randn(3, device=device)}
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        _, index = engine.read_index(1)
+        assert index.chunk_size == 65536 and len(next(t for t in index.tensors if t.name == "w").chunks) == 92
+        target = zeros_like_state(state)
+        engine.restore(target)
+        on_cpu = engine.load(device="cpu")
+    assert_same(state, target)
+    assert_same({k: v.cpu() for k, v in state.items()}, on_cpu)

@@ -80,6 +80,26 @@ def test_hostile_manifest_is_rejected(saved, mutate, message):
         Manifest.from_json(json.dumps(manifest).encode(), "m")
 
 
+def test_deeply_nested_json_is_a_format_error():
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(FormatError, match="not valid JSON"):
+        RankIndex.from_json(deep, "deep")
+
+
+def test_skeleton_numpy_scalars_must_be_plain(saved, tmp_path, tier_config):
+    d, index, manifest = saved
+    index["skeleton"]["$dict"][2][1] = {"$np": "V100000000", "v": 1}
+    raw = json.dumps(index).encode()
+    (d / "rank_00000.index.json").write_bytes(raw)
+    from tiered.checksum import wsum64
+
+    manifest["ranks"][0].update(index_bytes=len(raw), index_checksum=f"{wsum64(raw):016x}")
+    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+    with tiered.Engine.from_config(tier_config()) as engine:
+        with pytest.raises(FormatError, match="not plain data"):
+            engine.load(1)
+
+
 def test_engine_refuses_traversal_in_manifest(saved, tmp_path, tier_config):
     d, _, manifest = saved
     manifest["ranks"][0]["index_file"] = "../../../../etc/passwd"

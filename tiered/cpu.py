@@ -89,30 +89,33 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
     return list(pool.map(one, range(len(seg.chunks))))
 
 
+_READ_WINDOW = 64  # chunks read per pread: bounds restore memory whatever the tensor's size
+
+
 def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
                   settings: ZstdSettings, chunk_size: int) -> None:
     """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes)."""
-    if not rec.chunks:
-        return
-    first, last = rec.chunks[0], rec.chunks[-1]
-    data = reader.read_host(first.offset, last.offset + last.extent - first.offset)
     codec = get_codec(rec.codec, settings)
+    for w in range(0, len(rec.chunks), _READ_WINDOW):
+        window = range(w, min(w + _READ_WINDOW, len(rec.chunks)))
+        first, last = rec.chunks[window[0]], rec.chunks[window[-1]]
+        data = reader.read_host(first.offset, last.offset + last.extent - first.offset)
 
-    def one(j: int) -> None:
-        c = rec.chunks[j]
-        stored = data[c.offset - first.offset:c.offset - first.offset + c.size]
-        got = wsum64(stored)
-        if got != c.checksum:
-            raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes "
-                                  f"{c.offset}..{c.offset + c.size}): corrupted: stored {c.checksum:016x}, "
-                                  f"computed {got:016x}")
-        try:
-            codec.decode_chunk(stored, c.raw_size, memoryview(out[j * chunk_size:j * chunk_size + c.raw_size]))
-        except (CorruptionError, CodecUnavailableError):
-            raise
-        except Exception as exc:  # zstd errors, size mismatches: the stored bytes are not what was written
-            raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)}: "
-                                  f"corrupted: {rec.codec.name} decode failed: {exc}") from None
+        def one(j: int) -> None:
+            c = rec.chunks[j]
+            stored = data[c.offset - first.offset:c.offset - first.offset + c.size]
+            got = wsum64(stored)
+            if got != c.checksum:
+                raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes "
+                                      f"{c.offset}..{c.offset + c.size}): corrupted: stored {c.checksum:016x}, "
+                                      f"computed {got:016x}")
+            try:
+                codec.decode_chunk(stored, c.raw_size, memoryview(out[j * chunk_size:j * chunk_size + c.raw_size]))
+            except (CorruptionError, CodecUnavailableError):
+                raise
+            except Exception as exc:  # zstd errors, size mismatches: the stored bytes are not what was written
+                raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)}: "
+                                      f"corrupted: {rec.codec.name} decode failed: {exc}") from None
 
-    for f in [pool.submit(one, j) for j in range(len(rec.chunks))]:
-        f.result()
+        for f in [pool.submit(one, j) for j in window]:
+            f.result()

@@ -325,7 +325,7 @@ class Engine:
         try:
             return tree.decode(index.skeleton,
                                lambda i: dests[i].numpy() if i in numpy_leaves else dests[i])
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise FormatError(f"{self.tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
 
     def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor]) -> None:

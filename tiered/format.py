@@ -182,7 +182,7 @@ class RankIndex:
 
         try:
             refs = sorted(walk_leaves(doc.get("skeleton")))
-        except ValueError as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise FormatError(f"{source}: skeleton: {exc}") from None
         if refs != list(range(len(tensors))):
             raise FormatError(f"{source}: the skeleton refers to tensors {refs[:5]}... but the index lists {len(tensors)}")
@@ -252,8 +252,8 @@ class Manifest:
 def _load_json(raw: bytes, source: str, kind: str) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{source}: not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"{source}: not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != kind:
         raise FormatError(f"{source}: not a {kind} document")
     if doc.get("version") != FORMAT_VERSION:

@@ -134,7 +134,10 @@ def _decode(node: Any, leaf: Any) -> Any:
             raise ValueError(f"bad float {val!r}")
         return float(val)
     if tag == "$np":
-        return np.dtype(val).type(_decode(node["v"], leaf))
+        dtype = np.dtype(val)
+        if dtype.kind not in "biufc":
+            raise ValueError(f"numpy scalar of dtype {val!r} is not plain data")
+        return dtype.type(_decode(node["v"], leaf))
     if tag == "$bytes":
         return base64.b64decode(val, validate=True)
     if tag == "$dtype":
