@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tiered.engine import gpu_stack_available
@@ -31,3 +33,34 @@ def tier_config(tmp_path):
         return cfg
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real SeaweedFS S3 server on loopback for the whole run; its keys are in the environment
+    (the standard AWS chain), as a user's would be."""
+    import s3server
+
+    server = s3server.start(tmp_path_factory.mktemp("seaweedfs"))
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED")}
+    os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key,
+                      AWS_EC2_METADATA_DISABLED="true")
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket on the test server."""
+    import secrets
+
+    import boto3
+
+    name = "t" + secrets.token_hex(8)
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1").create_bucket(Bucket=name)
+    return name

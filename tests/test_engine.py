@@ -292,6 +292,15 @@ def test_gpu_state_may_change_after_save_returns(tier_config):
         assert torch.equal(engine.load(1)["w"], expected)
 
 
+def test_state_without_tensor_bytes(tier_config):
+    state = {"step": 3, "empty": torch.empty(0), "sched": {"lr": [0.1, 0.01]}}
+    with tiered.Engine.from_config(tier_config()) as engine:
+        assert engine.save(1, state).wait().stored_bytes == 0
+        target = {"step": 0, "empty": torch.empty(0), "sched": {"lr": [0.0, 0.0]}}
+        engine.restore(target)
+    assert_same(state, target)
+
+
 def test_handle_reports_sizes(tier_config):
     with tiered.Engine.from_config(tier_config()) as engine:
         handle = engine.save(1, {"w": torch.zeros(1_000_000)})

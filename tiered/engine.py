@@ -343,6 +343,11 @@ class Engine:
                 by_gpu.setdefault(dst.device.index if dst.is_cuda else torch.cuda.current_device(), []).append((rec, dst))
             else:
                 on_cpu.append((rec, dst))
+        if index.data_bytes == 0:  # no tensor bytes in this rank: nothing to read (S3 stores no object)
+            for rec, dst in on_cpu + [item for items in by_gpu.values() for item in items]:
+                if rec.chunks:
+                    raise FormatError(f"{self.tier.describe(step, index.data_file)}: chunks in an empty data file")
+            return
         host_reader = self.tier.open_data_reader(step, index.data_file, device=False)
         try:
             if host_reader.size != index.data_bytes:

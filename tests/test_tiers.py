@@ -1,0 +1,168 @@
+"""One contract every tier passes: local NVMe, shared POSIX filesystem, S3 (real SeaweedFS)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
+from tiered.format import MANIFEST_NAME
+
+
+def extents(n: int, size: int = 4096 * 300, seed: int = 0) -> list[bytes]:
+    rng = __import__("random").Random(seed)
+    return [rng.randbytes(size) for _ in range(n)]
+
+
+class TierContract:
+    """Subclasses provide the `tier` fixture."""
+
+    def write_step(self, tier, step: int, parts: list[bytes], commit: bool = True) -> None:
+        tier.begin_step(step)
+        w = tier.open_data_writer(step, "rank_00000.data", device=False)
+        offset = 0
+        for p in parts:
+            w.write_host(offset, memoryview(p))
+            offset += len(p)
+        assert w.close() == offset
+        tier.write_file(step, "rank_00000.index.json", b'{"index": %d}' % step)
+        if commit:
+            tier.commit(step, b'{"manifest": %d}' % step)
+
+    def test_empty(self, tier):
+        assert tier.steps() == [] and not tier.has_step(1)
+        with pytest.raises(CheckpointNotFoundError):
+            tier.read_manifest(1)
+
+    def test_round_trip_and_ranged_reads(self, tier):
+        parts = extents(12)  # ~14.7 MB: several multipart parts on S3
+        self.write_step(tier, 5, parts)
+        self.write_step(tier, 7, parts[:1])
+        assert tier.steps() == [5, 7] and tier.has_step(5)
+        assert tier.read_manifest(5) == b'{"manifest": 5}'
+        assert tier.read_file(5, "rank_00000.index.json", 1 << 20) == b'{"index": 5}'
+        r = tier.open_data_reader(5, "rank_00000.data", device=False)
+        try:
+            data = b"".join(parts)
+            assert r.size == len(data)
+            for off, n in ((0, 4096), (4096 * 299, 8192), (len(data) - 4096, 4096), (123, 5_000_000)):
+                assert bytes(r.read_host(off, n)) == data[off:off + n]
+            with pytest.raises(TieredError, match="truncated"):
+                r.read_host(len(data) - 4096, 8192)
+        finally:
+            r.close()
+
+    def test_uncommitted_step_is_invisible_and_cleared(self, tier):
+        self.write_step(tier, 1, extents(2))
+        self.write_step(tier, 2, extents(2), commit=False)
+        assert tier.steps() == [1] and not tier.has_step(2)
+        with pytest.raises(CheckpointNotFoundError):
+            tier.read_manifest(2)
+        self.write_step(tier, 2, extents(1, seed=9))  # debris of the first attempt is replaced
+        r = tier.open_data_reader(2, "rank_00000.data", device=False)
+        assert r.size == len(extents(1, seed=9)[0])
+        r.close()
+
+    def test_committed_step_is_immutable(self, tier):
+        self.write_step(tier, 3, extents(1))
+        with pytest.raises(TieredError, match="already committed"):
+            tier.begin_step(3)
+        tier.discard(3)  # never removes a committed step
+        assert tier.steps() == [3]
+
+    def test_discard_removes_uncommitted(self, tier):
+        self.write_step(tier, 4, extents(1), commit=False)
+        tier.discard(4)
+        with pytest.raises(CheckpointNotFoundError):
+            tier.open_data_reader(4, "rank_00000.data", device=False)
+
+    def test_names_must_stay_inside_the_step(self, tier):
+        self.write_step(tier, 6, extents(1))
+        for bad in ("../x", "/etc/passwd", "a/b", ".."):
+            with pytest.raises(FormatError, match="not a plain file name"):
+                tier.read_file(6, bad, 1 << 20)
+
+    def test_size_limit_on_small_files(self, tier):
+        self.write_step(tier, 8, extents(1))
+        with pytest.raises(FormatError, match="larger than"):
+            tier.read_file(8, "rank_00000.index.json", 4)
+
+    def test_empty_data_file_commits(self, tier):
+        # A rank with no tensor bytes: close() reports 0 and the step commits (readers skip the file).
+        self.write_step(tier, 9, [])
+        self.write_step(tier, 10, extents(1))
+        assert tier.steps() == [9, 10]
+
+
+class TestLocalTier(TierContract):
+    @pytest.fixture
+    def tier(self, tmp_path):
+        from tiered.tiers import LocalTier
+
+        return LocalTier("local", tmp_path / "nvme")
+
+
+class TestPosixTier(TierContract):
+    @pytest.fixture
+    def tier(self, tmp_path):
+        from tiered.tiers import PosixTier
+
+        return PosixTier("shared", tmp_path / "lustre")
+
+    def test_host_memory_only(self, tier):
+        tier.begin_step(1)
+        with pytest.raises(TieredError, match="host memory only"):
+            tier.open_data_writer(1, "rank_00000.data", device=True)
+
+
+class TestS3Tier(TierContract):
+    @pytest.fixture
+    def tier(self, s3_server, s3_bucket):
+        from tiered.tiers.s3 import S3Tier
+
+        return S3Tier("s3", s3_bucket, "runs/run-1", endpoint_url=s3_server.endpoint_url, region="us-east-1",
+                      part_size=5 * 1024 * 1024, max_concurrency=3)
+
+    def test_layout_is_plain_objects(self, tier):
+        self.write_step(tier, 1, extents(1))
+        keys = sorted(o["Key"] for o in tier.client.list_objects_v2(Bucket=tier.bucket)["Contents"])
+        assert keys == [f"runs/run-1/step_000000000001/{n}" for n in
+                        (MANIFEST_NAME, "rank_00000.data", "rank_00000.index.json")]
+
+    def test_unfinished_multipart_uploads_are_aborted(self, tier):
+        tier.begin_step(2)
+        w = tier.open_data_writer(2, "rank_00000.data", device=False)
+        w.write_host(0, memoryview(b"x" * (6 * 1024 * 1024)))  # starts a multipart upload
+        w.wait()
+        assert tier.client.list_multipart_uploads(Bucket=tier.bucket).get("Uploads")
+        tier.discard(2)  # as after a crash: nothing committed, the upload is cleaned up
+        assert not tier.client.list_multipart_uploads(Bucket=tier.bucket).get("Uploads")
+
+    def test_wrong_credentials_fail_fast_with_a_clear_message(self, s3_server, s3_bucket, monkeypatch):
+        from tiered.tiers.s3 import S3Tier
+
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        tier = S3Tier("s3", s3_bucket, endpoint_url=s3_server.endpoint_url, region="us-east-1")
+        with pytest.raises(TieredError, match="SignatureDoesNotMatch: the secret key does not match") as err:
+            tier.steps()
+        assert "not-the-secret" not in str(err.value) and s3_server.secret_key not in str(err.value)
+
+    def test_missing_bucket_is_a_clear_error(self, s3_server):
+        from tiered.tiers.s3 import S3Tier
+
+        tier = S3Tier("s3", "no-such-bucket-here", endpoint_url=s3_server.endpoint_url, region="us-east-1")
+        with pytest.raises(TieredError, match="NoSuchBucket: the bucket does not exist"):
+            tier.steps()
+
+
+def test_make_tier_from_example_config(tmp_path):
+    from pathlib import Path
+
+    from tiered.config import load_config
+    from tiered.tiers import LocalTier, PosixTier, make_tier
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "example-cluster.yaml")
+    tiers = [make_tier(t) for t in cfg.tiers]
+    assert isinstance(tiers[0], LocalTier) and isinstance(tiers[1], PosixTier)
+    assert tiers[2].root == "s3://my-team-checkpoints/run-042" and not tiers[2].reads_into_gpu

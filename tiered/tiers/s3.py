@@ -1,0 +1,299 @@
+"""S3 tier: one object per file, under ``s3://bucket/prefix/step_<12 digits>/``.
+
+Data files are uploaded as parallel multipart uploads while they are written (parts of
+`part_size`, at most `max_concurrency` in flight: bounded memory); reads are ranged GETs, so a
+reader fetches only the chunks it needs. An empty data file is not uploaded at all (its index
+says `data_bytes: 0`, and readers do not open it). S3 has no rename: the manifest is the **last** object
+written, and a step without one does not exist. Credentials come only from the standard AWS
+chain (environment, shared config and `profile`, instance or pod role); they are never read from
+YAML, logged or stored. boto3 is imported on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
+from tiered.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, safe_name, step_dir_name
+
+log = logging.getLogger("tiered")
+_MIN_PART = 5 * 1024 * 1024  # S3's minimum for every part but the last
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ImportError:
+        raise TieredError("the S3 tier needs boto3: pip install 'tiered[s3]'") from None
+    return boto3
+
+
+def _client_error(exc: Exception, what: str) -> TieredError:
+    """A clear, credential-free message for a failed S3 call."""
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+    hint = {
+        "InvalidAccessKeyId": "the access key is not known to this endpoint",
+        "SignatureDoesNotMatch": "the secret key does not match the access key",
+        "AccessDenied": "the credentials are not allowed to do this",
+        "NoSuchBucket": "the bucket does not exist",
+    }.get(code, "")
+    return TieredError(f"{what}: {code}{': ' + hint if hint else ''}")
+
+
+class S3DataWriter:
+    """Sequential writer of one object through a parallel multipart upload."""
+
+    io_mode = "s3-multipart"
+
+    def __init__(self, tier: "S3Tier", key: str):
+        self.tier, self.key = tier, key
+        self._buf = bytearray()
+        self._end = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._slots = threading.Semaphore(tier.max_concurrency)
+
+    def write_host(self, offset: int, buf: memoryview) -> None:
+        if offset != self._end:
+            raise TieredError(f"{self.tier.url(self.key)}: S3 data files are written in order "
+                              f"(write at {offset}, expected {self._end})")
+        self._buf += buf
+        self._end += len(buf)
+        while len(self._buf) >= self.tier.part_size:
+            part = bytes(self._buf[:self.tier.part_size])
+            del self._buf[:self.tier.part_size]
+            self._submit(part)
+
+    def write_device(self, offset: int, buf: Any) -> None:
+        raise TieredError(f"tier {self.tier.name!r} (S3) writes from host memory only")
+
+    def _submit(self, part: bytes) -> None:
+        s3 = self.tier.client
+        if self._upload_id is None:
+            try:
+                self._upload_id = s3.create_multipart_upload(Bucket=self.tier.bucket, Key=self.key)["UploadId"]
+            except Exception as exc:  # noqa: BLE001
+                raise _client_error(exc, f"{self.tier.url(self.key)}: cannot start upload") from None
+        number = len(self._parts) + 1
+        self._slots.acquire()  # backpressure: at most max_concurrency parts in memory and in flight
+
+        def upload() -> dict[str, Any]:
+            try:
+                r = s3.upload_part(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id,
+                                   PartNumber=number, Body=part)
+                return {"PartNumber": number, "ETag": r["ETag"]}
+            finally:
+                self._slots.release()
+
+        self._parts.append(self.tier.pool.submit(upload))
+
+    def wait(self) -> None:
+        for f in self._parts:
+            f.result()
+
+    def close(self) -> int:
+        s3 = self.tier.client
+        try:
+            if self._upload_id is None and not self._buf:
+                # No chunks (the rank's state has no tensor bytes): the index records data_bytes 0
+                # and readers never open the file, so no object is needed. (SeaweedFS also stalls
+                # the next request on a connection that carried an empty-body PUT.)
+                return 0
+            if self._upload_id is None:
+                s3.put_object(Bucket=self.tier.bucket, Key=self.key, Body=bytes(self._buf))
+            else:
+                if self._buf:
+                    self._submit(bytes(self._buf))
+                parts = [f.result() for f in self._parts]
+                s3.complete_multipart_upload(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id,
+                                             MultipartUpload={"Parts": parts})
+        except TieredError:
+            self.abort()
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.abort()
+            raise _client_error(exc, f"{self.tier.url(self.key)}: upload failed") from None
+        self._buf = bytearray()
+        return self._end
+
+    def abort(self) -> None:
+        for f in self._parts:
+            f.exception()
+        if self._upload_id is not None:
+            try:
+                self.tier.client.abort_multipart_upload(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001 - best effort; begin_step and discard abort leftovers too
+                pass
+            self._upload_id = None
+
+
+class S3DataReader:
+    io_mode = "s3-range"
+
+    def __init__(self, tier: "S3Tier", key: str):
+        self.tier, self.key = tier, key
+        self.path = tier.url(key)
+        try:
+            self.size = int(tier.client.head_object(Bucket=tier.bucket, Key=key)["ContentLength"])
+        except Exception as exc:  # noqa: BLE001
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                raise CheckpointNotFoundError(f"{self.path}: data file is missing") from None
+            raise _client_error(exc, f"{self.path}: cannot read") from None
+
+    def read_host(self, offset: int, size: int) -> memoryview:
+        if offset + size > self.size:
+            raise TieredError(f"{self.path}: object is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
+        if size == 0:
+            return memoryview(b"")
+        try:
+            body = self.tier.client.get_object(Bucket=self.tier.bucket, Key=self.key,
+                                               Range=f"bytes={offset}-{offset + size - 1}")["Body"].read()
+        except Exception as exc:  # noqa: BLE001
+            raise _client_error(exc, f"{self.path}: ranged read failed") from None
+        if len(body) != size:
+            raise TieredError(f"{self.path}: ranged read returned {len(body)} bytes, expected {size}")
+        return memoryview(body)
+
+    def read_device_async(self, offset: int, size: int, out: Any) -> Any:
+        raise TieredError(f"tier {self.tier.name!r} (S3) reads into host memory only")
+
+    def read_device(self, offset: int, size: int, out: Any) -> None:
+        self.read_device_async(offset, size, out)
+
+    def close(self) -> None:
+        pass
+
+
+def _code(exc: Exception) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
+class S3Tier:
+    supports_rename = False
+    reads_into_gpu = False
+
+    def __init__(self, name: str, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                 region: str | None = None, profile: str | None = None, part_size: int = 64 << 20,
+                 max_concurrency: int = 8):
+        if part_size < _MIN_PART:
+            raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum part)")
+        self.name, self.bucket, self.prefix = name, bucket, prefix.strip("/")
+        self.part_size, self.max_concurrency = part_size, max_concurrency
+        boto3 = _boto3()
+        from botocore.config import Config
+
+        session = boto3.session.Session(profile_name=profile, region_name=region)
+        self.client = session.client("s3", endpoint_url=endpoint_url, config=Config(
+            retries={"max_attempts": 8, "mode": "adaptive"}, max_pool_connections=max(10, 2 * max_concurrency)))
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3-{name}")
+        self.root = self.url("")
+
+    def __repr__(self) -> str:
+        return f"S3Tier({self.name!r}, {self.root!r})"
+
+    def _key(self, step: int, name: str = "") -> str:
+        return "/".join(p for p in (self.prefix, step_dir_name(step), name) if p) + ("" if name else "/")
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}/{self.prefix}"
+
+    def describe(self, step: int, name: str) -> str:
+        return self.url(self._key(step, name))
+
+    def _list(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                keys.extend(o["Key"] for o in page.get("Contents", ()))
+        except Exception as exc:  # noqa: BLE001
+            raise _client_error(exc, f"s3://{self.bucket}/{prefix}: cannot list") from None
+        return keys
+
+    def steps(self) -> list[int]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        out = []
+        for key in self._list(base):
+            parts = key[len(base):].split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST_NAME and (step := parse_step_dir(parts[0])) is not None:
+                out.append(step)
+        return sorted(out)
+
+    def has_step(self, step: int) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(step, MANIFEST_NAME))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise _client_error(exc, f"{self.describe(step, MANIFEST_NAME)}: cannot check") from None
+
+    def begin_step(self, step: int) -> None:
+        if self.has_step(step):
+            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({self.describe(step, '')}); "
+                              "steps are immutable: save under a new step number")
+        self._remove(step)
+
+    def _remove(self, step: int) -> None:
+        """Delete a step's objects and abort its unfinished multipart uploads."""
+        prefix = self._key(step)
+        keys = self._list(prefix)
+        try:
+            for i in range(0, len(keys), 1000):
+                self.client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
+                for up in page.get("Uploads", ()):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+        except Exception as exc:  # noqa: BLE001
+            raise _client_error(exc, f"{self.describe(step, '')}: cannot clear uncommitted objects") from None
+        if keys:
+            log.info("tiered: removed %d uncommitted objects of step %d in %s", len(keys), step, self.root)
+
+    def discard(self, step: int) -> None:
+        if not self.has_step(step):
+            self._remove(step)
+
+    def open_data_writer(self, step: int, name: str, device: bool) -> S3DataWriter:
+        if device:
+            raise TieredError(f"tier {self.name!r} (S3) writes from host memory only")
+        return S3DataWriter(self, self._key(step, safe_name(name, self.root, "data file")))
+
+    def write_file(self, step: int, name: str, data: bytes) -> None:
+        key = self._key(step, safe_name(name, self.root, "file name"))
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        except Exception as exc:  # noqa: BLE001
+            raise _client_error(exc, f"{self.url(key)}: upload failed") from None
+
+    def commit(self, step: int, manifest: bytes) -> None:
+        """The manifest is the last object of a step: its presence is the commit."""
+        self.write_file(step, MANIFEST_NAME, manifest)
+
+    def _get(self, key: str, max_bytes: int) -> bytes:
+        try:
+            obj = self.client.get_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                raise CheckpointNotFoundError(f"{self.url(key)}: object is missing") from None
+            raise _client_error(exc, f"{self.url(key)}: cannot read") from None
+        if int(obj["ContentLength"]) > max_bytes:
+            obj["Body"].close()
+            raise FormatError(f"{self.url(key)}: larger than the {max_bytes} bytes allowed")
+        return obj["Body"].read()
+
+    def read_manifest(self, step: int) -> bytes:
+        try:
+            return self._get(self._key(step, MANIFEST_NAME), MAX_MANIFEST_BYTES)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in tier {self.name!r} ({self.root})") from None
+
+    def read_file(self, step: int, name: str, max_bytes: int) -> bytes:
+        return self._get(self._key(step, safe_name(name, self.describe(step, ""), "file name")), max_bytes)
+
+    def open_data_reader(self, step: int, name: str, device: bool) -> S3DataReader:
+        if device:
+            raise TieredError(f"tier {self.name!r} (S3) reads into host memory only")
+        return S3DataReader(self, self._key(step, safe_name(name, self.describe(step, ""), "data file")))
