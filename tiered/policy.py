@@ -1,0 +1,89 @@
+"""Pure decisions: codec per tier, retention per tier, restore source. Data in, decision out.
+
+No I/O happens here: callers measure (codec throughput and ratio on a sample of the
+checkpoint's own data, tier bandwidth) and list (which steps each tier holds), then ask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecSample:
+    """One codec measured on a sample of this checkpoint's data."""
+
+    name: str
+    throughput: float
+    """Uncompressed bytes per second the codec encodes here (GPU or CPU implementation)."""
+    ratio: float
+    """Stored bytes / raw bytes, in (0, ~1.01]."""
+    cpu_decodable: bool
+
+
+def time_to_durable(raw_bytes: float, sample: CodecSample, bandwidth: float) -> float:
+    """Seconds until `raw_bytes` are stored with `sample`'s codec on a tier of `bandwidth` B/s.
+
+    Encoding and writing are pipelined chunk by chunk, so the slower of the two stages bounds
+    the time (plus the first chunk's encode, negligible at 1 MiB chunks).
+    """
+    return max(raw_bytes / sample.throughput, raw_bytes * sample.ratio / bandwidth)
+
+
+def choose_codec(*, bandwidth: float, samples: Sequence[CodecSample], portable: bool = False,
+                 pinned: str | None = None, raw_bytes: float = 1e9) -> str:
+    """The codec that makes a checkpoint durable soonest on a tier; ties go to the smaller output.
+
+    `pinned` (the tier's configured codec) wins; `portable` tiers only get codecs a CPU decodes.
+    """
+    allowed = [s for s in samples if s.cpu_decodable or not portable]
+    if pinned is not None:
+        if not any(s.name == pinned for s in allowed):
+            raise ValueError(f"codec {pinned!r} is not available for this tier"
+                             + (" (portable tiers need a CPU-decodable codec)" if portable else ""))
+        return pinned
+    if not allowed:
+        raise ValueError("no codec is available for this tier")
+    return min(allowed, key=lambda s: (round(time_to_durable(raw_bytes, s, bandwidth), 6), s.ratio)).name
+
+
+def keep_by_rules(steps: Sequence[int], *, keep_last: int | None, keep_every: int | None) -> set[int]:
+    """Steps a tier keeps by its own rules: the newest `keep_last`, and every multiple of
+    `keep_every`. No rule configured means keep everything."""
+    if keep_last is None and keep_every is None:
+        return set(steps)
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:]) if keep_last else set()
+    if keep_every:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    return keep
+
+
+def evictable(tier: str, committed: Mapping[str, set[int]], order: Sequence[str], *,
+              keep_last: int | None, keep_every: int | None) -> set[int]:
+    """Steps `tier` may delete now.
+
+    A step beyond the tier's rules goes only once a *slower* tier (later in `order`) holds a
+    committed copy; the last committed copy of a step anywhere is never deleted.
+    """
+    mine = committed.get(tier, set())
+    extra = mine - keep_by_rules(sorted(mine), keep_last=keep_last, keep_every=keep_every)
+    slower = order[order.index(tier) + 1:]
+    return {s for s in extra if any(s in committed.get(t, set()) for t in slower)}
+
+
+def restore_source(step: int, committed: Mapping[str, set[int]], order: Sequence[str],
+                   exclude: Sequence[str] = ()) -> str | None:
+    """The fastest tier (first in `order`) holding a committed copy of `step`, skipping `exclude`
+    (tiers already found damaged); None when no tier has it."""
+    for tier in order:
+        if tier not in exclude and step in committed.get(tier, set()):
+            return tier
+    return None
+
+
+def latest_restorable(committed: Mapping[str, set[int]]) -> int | None:
+    """The newest step committed on any tier."""
+    steps = set().union(*committed.values()) if committed else set()
+    return max(steps) if steps else None
