@@ -1,5 +1,5 @@
 """Probe the exact nvCOMP / KvikIO behaviours the engine relies on (run on a GPU machine)."""
-import os, time, sys, tempfile
+import os, time, tempfile
 import torch
 from nvidia import nvcomp
 import kvikio, kvikio.defaults

@@ -29,9 +29,9 @@ from tiered.codecs import get_codec_class
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, FormatError,
                            StateDictError, TieredError)
-from tiered.format import (ALIGNMENT, MAX_INDEX_BYTES, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
+from tiered.format import (ALIGNMENT, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
                            data_file_name, dtype_name, index_file_name)
-from tiered.plan import SavePlan, TensorPlan, make_plan
+from tiered.plan import SavePlan, make_plan
 from tiered.staging import HostPool
 from tiered.tiers.local import LocalTier
 from tiered.units import format_size, round_up
@@ -102,14 +102,15 @@ class Engine:
         self.config = config
         fast = config.fast_tier
         self.tier = LocalTier(fast.name, fast.path, fast.direct_io)
+        self._tiers: dict[str, Any] = {fast.name: self.tier}
         self.rank, self.world_size = 0, 1
         self._gpu_ready = gpu_stack_available()
         if torch.cuda.is_available() and not self._gpu_ready:
             log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
                         "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
         if len(config.tiers) > 1:
-            log.warning("tiered: tiers %s are configured, but this version writes only the fast tier %r; "
-                        "migration down the tiers is not implemented yet",
+            log.warning("tiered: tiers %s are configured, but save() writes only the fast tier %r: background "
+                        "migration is not implemented yet (tiered.migrator.migrate_step copies steps down)",
                         [t.name for t in config.tiers[1:]], fast.name)
         threads = config.zstd.threads or os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
@@ -153,12 +154,27 @@ class Engine:
                f"no GPU codecs here: every tensor is compressed with {'zstd' if codec == 'ans' else codec} on the CPU")
         return f"tier {self.tier.name!r} at {self.tier.root} ({how})"
 
-    def steps(self) -> list[int]:
-        """Committed steps on the fast tier, ascending."""
-        return self.tier.steps()
+    def get_tier(self, name: str | None = None) -> Any:
+        """A configured tier by name (default: the fast tier); created on first use."""
+        if name is None:
+            return self.tier
+        tier = self._tiers.get(name)
+        if tier is None:
+            cfg = next((t for t in self.config.tiers if t.name == name), None)
+            if cfg is None:
+                raise KeyError(f"no tier named {name!r} in {self.config.source} "
+                               f"(tiers: {', '.join(t.name for t in self.config.tiers)})")
+            from tiered.tiers import make_tier
 
-    def latest_step(self) -> int | None:
-        steps = self.steps()
+            tier = self._tiers[name] = make_tier(cfg)
+        return tier
+
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps on a tier (default: the fast tier), ascending."""
+        return self.get_tier(tier).steps()
+
+    def latest_step(self, tier: str | None = None) -> int | None:
+        steps = self.steps(tier)
         return steps[-1] if steps else None
 
     # --- save ----------------------------------------------------------------------------
@@ -248,60 +264,55 @@ class Engine:
             self._devices.clear()
 
     # --- restore -------------------------------------------------------------------------
-    def restore(self, state_dict: Any, step: int | None = None, *, strict: bool = True) -> int:
+    def restore(self, state_dict: Any, step: int | None = None, *, strict: bool = True,
+                tier: str | None = None) -> int:
         """Load `step` (default: the latest committed) into `state_dict` in place; return the step.
 
         Tensors present in `state_dict` receive the stored bytes where they are (GPU tensors are
         decoded on their GPU); entries missing from it (a fresh optimizer's state, say) are
         created on the device they were saved from, or the CPU. With `strict`, a tensor in
-        `state_dict` that the checkpoint lacks is an error.
+        `state_dict` that the checkpoint lacks is an error. `tier` names the tier to read
+        (default: the fast tier).
         """
         self._check_open()
         self._raise_background_error()
         t0 = time.perf_counter()
+        source = self.get_tier(tier)
         with self._api_lock:
-            step = self._resolve_step(step)
-            loaded = self._load(step, state_dict, strict=strict, device=None)
+            step = self._resolve_step(step, source)
+            loaded = self._load(step, state_dict, strict=strict, device=None, tier=source)
             tree.merge_into(state_dict, loaded)
-        log.info("tiered: restored step %d from tier %r in %.2f s", step, self.tier.name, time.perf_counter() - t0)
+        log.info("tiered: restored step %d from tier %r in %.2f s", step, source.name, time.perf_counter() - t0)
         return step
 
-    def load(self, step: int | None = None, *, device: str | torch.device | None = None) -> Any:
+    def load(self, step: int | None = None, *, device: str | torch.device | None = None,
+             tier: str | None = None) -> Any:
         """A fresh copy of a step's state (default: latest), tensors on `device` or where they were saved."""
         self._check_open()
+        source = self.get_tier(tier)
         with self._api_lock:
-            return self._load(self._resolve_step(step), {}, strict=False,
-                              device=torch.device(device) if device is not None else None)
+            return self._load(self._resolve_step(step, source), {}, strict=False,
+                              device=torch.device(device) if device is not None else None, tier=source)
 
-    def _resolve_step(self, step: int | None) -> int:
+    def _resolve_step(self, step: int | None, tier: Any) -> int:
         if step is None:
-            latest = self.latest_step()
+            latest = self.latest_step(tier.name)
             if latest is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in tier {self.tier.name!r} ({self.tier.root})")
+                raise CheckpointNotFoundError(f"no committed checkpoint in tier {tier.name!r} ({tier.root})")
             return latest
-        if not self.tier.has_step(step):
-            steps = self.steps()
-            raise CheckpointNotFoundError(f"step {step} is not committed in tier {self.tier.name!r} ({self.tier.root}); "
+        if not tier.has_step(step):
+            steps = tier.steps()
+            raise CheckpointNotFoundError(f"step {step} is not committed in tier {tier.name!r} ({tier.root}); "
                                           f"committed steps: {_summarize(steps)}")
         return step
 
-    def read_index(self, step: int) -> tuple[Manifest, RankIndex]:
-        source = self.tier.describe(step, "MANIFEST.json")
-        manifest = Manifest.from_json(self.tier.read_manifest(step), source)
-        if manifest.step != step:
-            raise FormatError(f"{source}: manifest says step {manifest.step}")
-        entry = next(r for r in manifest.ranks if r.rank == self.rank)
-        raw = self.tier.read_file(step, entry.index_file, MAX_INDEX_BYTES)
-        index_source = self.tier.describe(step, entry.index_file)
-        if len(raw) != entry.index_bytes or checksum.wsum64(raw) != entry.index_checksum:
-            raise FormatError(f"{index_source}: index does not match the manifest's size/checksum (corrupted)")
-        index = RankIndex.from_json(raw, index_source)
-        if index.data_file != entry.data_file or index.data_bytes != entry.data_bytes:
-            raise FormatError(f"{index_source}: index and manifest disagree about the data file")
-        return manifest, index
+    def read_index(self, step: int, tier: str | None = None) -> tuple[Manifest, RankIndex]:
+        """A committed step's manifest and this rank's index, validated and cross-checked."""
+        manifest, indexes = read_step(self.get_tier(tier), step)
+        return manifest, indexes[self.rank]
 
-    def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None) -> Any:
-        _, index = self.read_index(step)
+    def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None, tier: Any) -> Any:
+        _, index = self.read_index(step, tier.name)
         _, leaves = tree.flatten(target)
         targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
         dests: dict[int, torch.Tensor] = {}
@@ -320,15 +331,15 @@ class Engine:
         if strict and targets:
             raise StateDictError(f"step {step} has no entry for {_summarize(sorted(targets))} of the given state_dict "
                                  "(pass strict=False to leave them as they are)")
-        self._decode(step, index, dests)
+        self._decode(step, index, dests, tier)
         numpy_leaves = {rec.index for rec in index.tensors if rec.is_numpy}
         try:
             return tree.decode(index.skeleton,
                                lambda i: dests[i].numpy() if i in numpy_leaves else dests[i])
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise FormatError(f"{self.tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
+            raise FormatError(f"{tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
 
-    def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor]) -> None:
+    def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any) -> None:
         by_gpu: dict[int, list[tuple[TensorRecord, torch.Tensor]]] = {}
         on_cpu: list[tuple[TensorRecord, torch.Tensor]] = []
         for rec in index.tensors:
@@ -336,7 +347,7 @@ class Engine:
             cls = get_codec_class(rec.codec.name)
             if not cls.cpu_capable and not self._gpu_ready:
                 raise CodecUnavailableError(
-                    f"{self.tier.describe(step, index.data_file)}: tensor {rec.name!r} is stored with codec "
+                    f"{tier.describe(step, index.data_file)}: tensor {rec.name!r} is stored with codec "
                     f"{rec.codec.name!r}, which needs an NVIDIA GPU with nvCOMP to decode. Restore on a GPU "
                     "machine, or from a tier holding a CPU-decodable copy (zstd).")
             if self._gpu_ready and cls.gpu_capable and (dst.is_cuda or not cls.cpu_capable):
@@ -346,9 +357,9 @@ class Engine:
         if index.data_bytes == 0:  # no tensor bytes in this rank: nothing to read (S3 stores no object)
             for rec, dst in on_cpu + [item for items in by_gpu.values() for item in items]:
                 if rec.chunks:
-                    raise FormatError(f"{self.tier.describe(step, index.data_file)}: chunks in an empty data file")
+                    raise FormatError(f"{tier.describe(step, index.data_file)}: chunks in an empty data file")
             return
-        host_reader = self.tier.open_data_reader(step, index.data_file, device=False)
+        host_reader = tier.open_data_reader(step, index.data_file, device=False)
         try:
             if host_reader.size != index.data_bytes:
                 raise FormatError(f"{host_reader.path}: data file has {host_reader.size} bytes, the index says "
@@ -363,8 +374,10 @@ class Engine:
                     dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
         finally:
             host_reader.close()
+        from tiered.gpu import device_reader
+
         for dev, items in by_gpu.items():
-            reader = self.tier.open_data_reader(step, index.data_file, device=True)
+            reader = device_reader(tier, step, index.data_file)
             try:
                 self._device(dev).restore(items, reader, index.chunk_size)
             finally:

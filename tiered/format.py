@@ -339,3 +339,22 @@ class _Validator:
             raise FormatError(f"{self.source}: {where}{len(chunks)} chunks do not cover {rec.nbytes} bytes "
                               f"in chunks of {chunk_size} (expected {expected})")
         return rec, end
+
+
+def read_step(tier: Any, step: int) -> tuple[Manifest, list[RankIndex]]:
+    """The manifest and every rank's index of a committed step, validated and cross-checked."""
+    source = tier.describe(step, "MANIFEST.json")
+    manifest = Manifest.from_json(tier.read_manifest(step), source)
+    if manifest.step != step:
+        raise FormatError(f"{source}: manifest says step {manifest.step}")
+    indexes = []
+    for entry in manifest.ranks:
+        raw = tier.read_file(step, entry.index_file, MAX_INDEX_BYTES)
+        where = tier.describe(step, entry.index_file)
+        if len(raw) != entry.index_bytes or checksum.wsum64(raw) != entry.index_checksum:
+            raise FormatError(f"{where}: index does not match the manifest's size/checksum (corrupted)")
+        index = RankIndex.from_json(raw, where)
+        if index.data_file != entry.data_file or index.data_bytes != entry.data_bytes:
+            raise FormatError(f"{where}: index and manifest disagree about the data file")
+        indexes.append(index)
+    return manifest, indexes

@@ -369,3 +369,44 @@ def _waves(chunks: Sequence[ChunkRef], pack_bytes: int, max_rows: int, chunk_siz
     if cur:
         waves.append(cur)
     return waves
+
+
+class _Done:
+    """An already finished read, shaped like a KvikIO future."""
+
+    def __init__(self, n: int):
+        self._n = n
+
+    def done(self) -> bool:
+        return True
+
+    def get(self) -> int:
+        return self._n
+
+
+class HostStagedReader:
+    """GPU reads from a tier that reads into host memory only (shared FS, S3): ranged host read,
+    then a copy into the GPU buffer."""
+
+    def __init__(self, reader: Any):
+        self._reader = reader
+        self.path, self.size, self.io_mode = reader.path, reader.size, reader.io_mode + "+h2d"
+
+    def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> _Done:
+        data = self._reader.read_host(offset, size)
+        if size:
+            out[:size].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return _Done(size)
+
+    def read_host(self, offset: int, size: int) -> memoryview:
+        return self._reader.read_host(offset, size)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def device_reader(tier: Any, step: int, data_file: str) -> Any:
+    """A reader whose read_device_async fills GPU buffers: KvikIO where the tier supports it."""
+    if tier.reads_into_gpu:
+        return tier.open_data_reader(step, data_file, device=True)
+    return HostStagedReader(tier.open_data_reader(step, data_file, device=False))

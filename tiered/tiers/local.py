@@ -16,7 +16,6 @@ import mmap
 import os
 import shutil
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
