@@ -39,6 +39,10 @@ def tier_config(tmp_path):
 def s3_server(tmp_path_factory):
     """A real SeaweedFS S3 server on loopback for the whole run; its keys are in the environment
     (the standard AWS chain), as a user's would be."""
+    if os.environ.get("TIERED_SKIP_S3") == "1":
+        # Explicit opt-out for machines without the S3 test server (the lent GPU machines);
+        # CI never sets it, so a missing server fails there instead of skipping.
+        pytest.skip("TIERED_SKIP_S3=1: S3 tests skipped on this machine")
     import s3server
 
     server = s3server.start(tmp_path_factory.mktemp("seaweedfs"))

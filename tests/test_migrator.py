@@ -1,0 +1,169 @@
+"""Migration of committed steps down the tiers: copy, recompress, idempotent, resumable after SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiered
+from tiered.migrator import gpu_decoder, migrate_step
+from helpers import assert_same, mixed_state, trained_model
+
+
+def cluster(tmp_path: Path, codec: str, s3=None, bucket=None) -> dict:
+    tiers = [{"name": "nvme", "kind": "local", "path": str(tmp_path / "nvme"), "codec": codec},
+             {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared")}]
+    if s3 is not None:
+        tiers.append({"name": "s3", "kind": "s3", "bucket": bucket, "prefix": "run-1",
+                      "endpoint_url": s3.endpoint_url, "region": "us-east-1"})
+    return {"tiers": tiers}
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_copy_down_and_restore_from_each_tier(tmp_path, s3_server, s3_bucket, codec):
+    state = mixed_state("cpu", seed=2)
+    with tiered.Engine.from_config(cluster(tmp_path, codec, s3_server, s3_bucket)) as engine:
+        engine.save(10, state).wait()
+        nvme, shared, s3 = (engine.get_tier(n) for n in ("nvme", "shared", "s3"))
+        m1 = migrate_step(10, nvme, shared, codec="zstd")
+        m2 = migrate_step(10, shared, s3, codec="zstd")
+        assert engine.steps("shared") == [10] and engine.steps("s3") == [10]
+        src_manifest, src_index = engine.read_index(10)
+        _, s3_index = engine.read_index(10, tier="s3")
+        assert m1.created == m2.created == src_manifest.created
+        assert {t.codec.name for t in s3_index.tensors if t.chunks} == {"zstd"}
+        if codec == "none":
+            assert m2.stored_bytes < src_manifest.stored_bytes, "none -> zstd recompresses"
+        else:
+            assert m1.stored_bytes == src_manifest.stored_bytes, "zstd chunks are copied as they are"
+        for tier in ("shared", "s3"):
+            assert_same(state, engine.load(10, tier=tier))
+        target = {k: v for k, v in mixed_state("cpu", seed=99).items()}
+        engine.restore(target, tier="s3")
+        assert_same(state, target)
+
+
+def test_migration_is_idempotent_and_deterministic(tmp_path):
+    with tiered.Engine.from_config(cluster(tmp_path, "none")) as engine:
+        engine.save(1, {"w": torch.randn(700_000), "meta": {"step": 1}}).wait()
+        nvme, shared = engine.get_tier("nvme"), engine.get_tier("shared")
+        assert migrate_step(1, nvme, shared, codec="zstd") is not None
+        first = files_of(tmp_path / "shared")
+        assert migrate_step(1, nvme, shared, codec="zstd") is None  # already there: nothing happens
+        assert files_of(tmp_path / "shared") == first
+        # A second, independent migration of the same step produces the very same bytes.
+        from tiered.tiers import PosixTier
+
+        other = PosixTier("other", tmp_path / "other")
+        migrate_step(1, nvme, other, codec="zstd")
+        assert files_of(tmp_path / "other") == first
+
+
+def test_migration_killed_mid_copy_restarts_to_identical_files(tmp_path, s3_server, s3_bucket):
+    cfg = cluster(tmp_path, "none", s3_server, s3_bucket)
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(3, {f"t{i}": torch.randn(1_500_000) for i in range(8)}).wait()
+    # A migrator process that dies (SIGKILL) after uploading part of the data.
+    script = textwrap.dedent(f"""
+        import os, signal, tiered
+        from tiered.migrator import migrate_step
+        from tiered.tiers import s3 as s3mod
+        engine = tiered.Engine.from_config({cfg!r})
+        real, n = s3mod.S3DataWriter._submit, [0]
+        def submit(self, part):
+            n[0] += 1
+            if n[0] == 3:
+                self.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self, part)
+        s3mod.S3DataWriter._submit = submit
+        engine.get_tier("s3").part_size = 5 * 1024 * 1024
+        migrate_step(3, engine.get_tier("nvme"), engine.get_tier("s3"), codec="zstd")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    with tiered.Engine.from_config(cfg) as engine:
+        s3 = engine.get_tier("s3")
+        assert s3.steps() == [], "a killed migration commits nothing"
+        assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads"), "it had started uploading"
+        assert migrate_step(3, engine.get_tier("nvme"), s3, codec="zstd") is not None  # the restart
+        assert not s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads")
+        # Byte-identical to an uninterrupted migration of the same step to the same kind of tier.
+        from tiered.tiers.s3 import S3Tier
+
+        clean = S3Tier("clean", s3.bucket, "clean", endpoint_url=s3_server.endpoint_url, region="us-east-1")
+        migrate_step(3, engine.get_tier("nvme"), clean, codec="zstd")
+
+        def objects(prefix):
+            listing = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix + "/")["Contents"]
+            return {o["Key"].removeprefix(prefix + "/"): s3.client.get_object(Bucket=s3.bucket, Key=o["Key"])["Body"].read()
+                    for o in listing}
+
+        restarted, uninterrupted = objects("run-1"), objects("clean")
+        assert len(restarted) == 3 and restarted == uninterrupted
+        expected = {f"t{i}": t for i, t in enumerate(engine.load(3)[f"t{i}"] for i in range(8))}
+        assert_same(expected, engine.load(3, tier="s3"))
+
+
+def test_corrupted_source_chunk_stops_the_migration(tmp_path):
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        engine.save(1, {"w": torch.randn(600_000)}).wait()
+        data = tmp_path / "nvme" / "step_000000000001" / "rank_00000.data"
+        raw = bytearray(data.read_bytes())
+        raw[100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        with pytest.raises(tiered.CorruptionError, match=r"rank_00000.data: tensor 'w' chunk 0 of 3"):
+            migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd")
+        assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
+
+
+def test_unknown_tier_name(tmp_path):
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        with pytest.raises(KeyError, match="no tier named 'tape'.*tiers: nvme, shared"):
+            engine.load(1, tier="tape")
+
+
+@pytest.mark.gpu
+def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
+    from tiered.gpu import GpuDevice
+
+    model, opt = trained_model("cuda", steps=5)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with tiered.Engine.from_config(cluster(tmp_path, "ans")) as engine:
+        engine.save(1, state).wait()
+        device = engine._device(0)
+        assert isinstance(device, GpuDevice)
+        migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd",
+                     gpu_decode=gpu_decoder(device))
+        _, index = engine.read_index(1, tier="shared")
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
+        on_cpu = engine.load(1, tier="shared", device="cpu")   # decoded by the CPU path
+    assert_same({k: v.cpu() for k, v in state["model"].items()}, dict(on_cpu["model"]))
+
+
+def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
+    from tiered.format import CodecSpec, TensorRecord
+    from tiered.migrator import _tensor_chunks
+    from tiered.config import ZstdSettings
+
+    rec = TensorRecord(index=0, name="w", dtype="float32", shape=(10,), device="cuda:0", is_numpy=False,
+                       codec=CodecSpec.of("ans", data_type="<f4"),
+                       chunks=(tiered.format.ChunkRecord(0, 30, 40, 0),))
+
+    class Reader:
+        path = "/x/rank_00000.data"
+
+    with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
+        list(_tensor_chunks(rec, CodecSpec.of("zstd", shuffle=4), Reader(), 1 << 20, ZstdSettings(), None, None))
