@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from tiered.checksum import wsum64
 from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
-from tiered.format import ALIGNMENT, TensorRecord
+from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
 from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool
 from tiered.units import round_up
@@ -92,30 +92,44 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
 _READ_WINDOW = 64  # chunks read per pread: bounds restore memory whatever the tensor's size
 
 
+def read_windows(rec: TensorRecord, reader) -> Iterator[tuple[range, memoryview, int]]:
+    """(chunk indices, their bytes, file offset of those bytes) for windows of a tensor's chunks:
+    one ranged read per window."""
+    for w in range(0, len(rec.chunks), _READ_WINDOW):
+        window = range(w, min(w + _READ_WINDOW, len(rec.chunks)))
+        first, last = rec.chunks[window[0]], rec.chunks[window[-1]]
+        yield window, reader.read_host(first.offset, last.offset + last.extent - first.offset), first.offset
+
+
+def verified(rec: TensorRecord, j: int, data: memoryview, base: int, path: str) -> memoryview:
+    """Chunk j's stored bytes out of a window read at `base`, checksum verified."""
+    c = rec.chunks[j]
+    stored = data[c.offset - base:c.offset - base + c.size]
+    got = wsum64(stored)
+    if got != c.checksum:
+        raise chunk_corruption(path, rec, j, f"stored {c.checksum:016x}, computed {got:016x}")
+    return stored
+
+
+def decode_into(codec, rec: TensorRecord, j: int, stored: memoryview, out: memoryview, path: str) -> None:
+    """Decode chunk j; a decoder failure on verified bytes is reported as corruption of that chunk."""
+    try:
+        codec.decode_chunk(stored, rec.chunks[j].raw_size, out)
+    except (CorruptionError, CodecUnavailableError):
+        raise
+    except Exception as exc:  # zstd errors, size mismatches: the stored bytes are not what was written
+        raise chunk_corruption(path, rec, j, f"{rec.codec.name} decode failed: {exc}") from None
+
+
 def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
                   settings: ZstdSettings, chunk_size: int) -> None:
     """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes)."""
     codec = get_codec(rec.codec, settings)
-    for w in range(0, len(rec.chunks), _READ_WINDOW):
-        window = range(w, min(w + _READ_WINDOW, len(rec.chunks)))
-        first, last = rec.chunks[window[0]], rec.chunks[window[-1]]
-        data = reader.read_host(first.offset, last.offset + last.extent - first.offset)
-
+    for window, data, base in read_windows(rec, reader):
         def one(j: int) -> None:
-            c = rec.chunks[j]
-            stored = data[c.offset - first.offset:c.offset - first.offset + c.size]
-            got = wsum64(stored)
-            if got != c.checksum:
-                raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes "
-                                      f"{c.offset}..{c.offset + c.size}): corrupted: stored {c.checksum:016x}, "
-                                      f"computed {got:016x}")
-            try:
-                codec.decode_chunk(stored, c.raw_size, memoryview(out[j * chunk_size:j * chunk_size + c.raw_size]))
-            except (CorruptionError, CodecUnavailableError):
-                raise
-            except Exception as exc:  # zstd errors, size mismatches: the stored bytes are not what was written
-                raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)}: "
-                                      f"corrupted: {rec.codec.name} decode failed: {exc}") from None
+            stored = verified(rec, j, data, base, reader.path)
+            decode_into(codec, rec, j, stored, memoryview(out[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size]),
+                        reader.path)
 
         for f in [pool.submit(one, j) for j in window]:
             f.result()

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from tiered import checksum
-from tiered.errors import FormatError
+from tiered.errors import CorruptionError, FormatError
 from tiered.units import round_up
 
 FORMAT_VERSION = 1
@@ -247,6 +247,13 @@ class Manifest:
         return cls(step=v.int(doc, "step", 0, 1 << 62), world_size=world, ranks=tuple(ranks),
                    raw_bytes=v.int(doc, "raw_bytes", 0, 1 << 62), stored_bytes=v.int(doc, "stored_bytes", 0, 1 << 62),
                    created=str(doc.get("created", "")), writer=str(doc.get("writer", "")), version=doc["version"])
+
+
+def chunk_corruption(path: str, rec: TensorRecord, j: int, what: str) -> CorruptionError:
+    """The error for a damaged chunk: names the file, the tensor and the chunk."""
+    c = rec.chunks[j]
+    return CorruptionError(f"{path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes "
+                           f"{c.offset}..{c.offset + c.size}): corrupted: {what}")
 
 
 def _load_json(raw: bytes, source: str, kind: str) -> dict[str, Any]:

@@ -29,8 +29,7 @@ from tiered.checksum import to_u64, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
-from tiered.errors import CorruptionError
-from tiered.format import ALIGNMENT, ChunkRecord, TensorRecord
+from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
 from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool, RowRing
 from tiered.tiers.local import wait_futures
@@ -306,7 +305,7 @@ class GpuDevice:
         for r, (rec, _, j) in enumerate(refs):
             c = rec.chunks[j]
             if got[r] != c.checksum:
-                raise CorruptionError(_corrupt_msg(reader.path, rec, j, c, f"stored {c.checksum:016x}, computed {got[r]:016x}"))
+                raise chunk_corruption(reader.path, rec, j, f"stored {c.checksum:016x}, computed {got[r]:016x}")
         # One decode per codec spec, into chunk slots of the pack buffer; then unpack per tensor run.
         offsets, pos = [], 0
         for r, (rec, _, j) in enumerate(refs):
@@ -328,8 +327,7 @@ class GpuDevice:
                                        offsets[i:k], [refs[r][0].chunks[refs[r][2]].raw_size for r in range(i, k)])
                 except (ValueError, RuntimeError) as exc:
                     rec, _, j = refs[i]
-                    raise CorruptionError(_corrupt_msg(reader.path, rec, j, rec.chunks[j],
-                                                       f"{spec.name} decode failed: {exc}")) from None
+                    raise chunk_corruption(reader.path, rec, j, f"{spec.name} decode failed: {exc}") from None
                 i = k
             r = 0
             while r < n:
@@ -342,11 +340,6 @@ class GpuDevice:
                                                        chunk_size)
                 r = k + 1
         self.stream.synchronize()
-
-
-def _corrupt_msg(path: str, rec: TensorRecord, j: int, c: ChunkRecord, what: str) -> str:
-    return (f"{path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes {c.offset}..{c.offset + c.size}): "
-            f"corrupted: {what}")
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

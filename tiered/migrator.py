@@ -28,7 +28,8 @@ import torch
 from tiered import checksum
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.errors import CodecUnavailableError, CorruptionError
+from tiered.cpu import decode_into, read_windows, verified
+from tiered.errors import CodecUnavailableError
 from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
 from tiered.units import format_size, round_up
 
@@ -145,31 +146,17 @@ def _tensor_chunks(rec: TensorRecord, spec: CodecSpec, reader, chunk_size: int, 
             yield from zip((rec.chunks[j] for j in idx), pool.map(encode, idx))
         return
     dst_codec = get_codec(spec, settings)
-    for w in range(0, len(rec.chunks), _WINDOW):
-        idx = range(w, min(w + _WINDOW, len(rec.chunks)))
-        first, last = rec.chunks[idx[0]], rec.chunks[idx[-1]]
-        data = reader.read_host(first.offset, last.offset + last.extent - first.offset)
-
+    for window, data, base in read_windows(rec, reader):
         def one(j: int):
-            c = rec.chunks[j]
-            stored = data[c.offset - first.offset:c.offset - first.offset + c.size]
-            got = checksum.wsum64(stored)
-            if got != c.checksum:
-                raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j} of {len(rec.chunks)} (file bytes "
-                                      f"{c.offset}..{c.offset + c.size}): corrupted: stored {c.checksum:016x}, "
-                                      f"computed {got:016x}")
+            stored = verified(rec, j, data, base, reader.path)
             if keep:
-                return _pad(stored), c.size, c.checksum
-            raw = np.empty(c.raw_size, dtype=np.uint8)
-            try:
-                src_codec.decode_chunk(stored, c.raw_size, memoryview(raw))
-            except Exception as exc:  # noqa: BLE001 - the stored bytes are not what was written
-                raise CorruptionError(f"{reader.path}: tensor {rec.name!r} chunk {j}: corrupted: "
-                                      f"{rec.codec.name} decode failed: {exc}") from None
+                return _pad(stored), len(stored), rec.chunks[j].checksum
+            raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
+            decode_into(src_codec, rec, j, stored, memoryview(raw), reader.path)
             new = dst_codec.encode_chunk(memoryview(raw))
             return _pad(new), len(new), checksum.wsum64(new)
 
-        yield from zip((rec.chunks[j] for j in idx), pool.map(one, idx))
+        yield from zip((rec.chunks[j] for j in window), pool.map(one, window))
 
 
 def gpu_decoder(device: Any) -> Callable[..., np.ndarray]:
