@@ -17,13 +17,14 @@ from tiered.migrator import gpu_decoder, migrate_step
 from helpers import assert_same, mixed_state, trained_model
 
 
-def cluster(tmp_path: Path, codec: str, s3=None, bucket=None) -> dict:
+def cluster(tmp_path: Path, codec: str, s3=None, bucket=None, migration: str = "external") -> dict:
+    """nvme -> shared [-> s3]; `external` migration unless a test wants the engine's own."""
     tiers = [{"name": "nvme", "kind": "local", "path": str(tmp_path / "nvme"), "codec": codec},
              {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared")}]
     if s3 is not None:
         tiers.append({"name": "s3", "kind": "s3", "bucket": bucket, "prefix": "run-1",
                       "endpoint_url": s3.endpoint_url, "region": "us-east-1"})
-    return {"tiers": tiers}
+    return {"migration": migration, "tiers": tiers}
 
 
 def files_of(root: Path) -> dict[str, bytes]:
@@ -167,3 +168,54 @@ def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
 
     with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
         list(_tensor_chunks(rec, CodecSpec.of("zstd", shuffle=4), Reader(), 1 << 20, ZstdSettings(), None, None))
+
+
+def test_engine_migrates_in_the_background_and_resumes(tmp_path, s3_server, s3_bucket):
+    cfg = cluster(tmp_path, "none", s3_server, s3_bucket, migration="in_process")
+    state = mixed_state("cpu", seed=4)
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in (10, 20):
+            engine.save(step, state)
+        engine.wait_migrated(timeout=120)
+        assert engine.steps("shared") == [10, 20] and engine.steps("s3") == [10, 20]
+        _, index = engine.read_index(20, tier="s3")
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}  # recompressed on the way
+        assert_same(state, engine.load(20, tier="s3"))
+    # A step committed while migration was off (or cut short) is picked up by the next engine.
+    with tiered.Engine.from_config({**cfg, "migration": "external"}) as engine:
+        engine.save(30, state).wait()
+        assert engine.steps("s3") == [10, 20]
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.wait_migrated(timeout=120)
+        assert engine.steps("s3") == [10, 20, 30]
+
+
+def test_migration_failure_keeps_the_step_and_is_reported(tmp_path, monkeypatch):
+    from tiered.tiers import posix
+
+    def broken(self, step, name, device):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(posix.PosixTier, "open_data_writer", broken)
+    w = torch.randn(1000)
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd", migration="in_process")) as engine:
+        engine.save(1, {"w": w}).wait()
+        with pytest.raises(tiered.TieredError, match="migration failed.*No space left"):
+            engine.wait_migrated(timeout=60)
+        assert engine.steps() == [1] and engine.steps("shared") == []
+        assert torch.equal(engine.load(1)["w"], w)
+
+
+@pytest.mark.gpu
+def test_background_migration_of_ans_steps(tmp_path):
+    model, opt = trained_model("cuda", steps=3)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with tiered.Engine.from_config(cluster(tmp_path, "ans", migration="in_process")) as engine:
+        engine.save(1, state)
+        engine.save(2, state)
+        engine.wait_migrated(timeout=300)
+        assert engine.steps("shared") == [1, 2]
+        _, index = engine.read_index(2, tier="shared")
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
+        on_cpu = engine.load(2, tier="shared", device="cpu")
+    assert_same({k: v.cpu() for k, v in state["model"].items()}, dict(on_cpu["model"]))

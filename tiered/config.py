@@ -91,6 +91,9 @@ class Config:
     chunk_size: int = 1024 * 1024
     budgets: Budgets = Budgets()
     zstd: ZstdSettings = ZstdSettings()
+    migration: str = "in_process"
+    """"in_process": a background thread of the training process copies each committed step down
+    the tiers; "external": another process does (the engine only writes the fast tier)."""
     tiers: tuple[TierConfig, ...]
 
     @property
@@ -196,6 +199,9 @@ def _parse(data: object, source: str) -> Config:
         raise top.error("chunk_size", f"must be a multiple of 4KiB between 64KiB and 64MiB, got {chunk_size}")
     budgets = _parse_budgets(top.get("budgets", {}), source, chunk_size)
     zstd = _parse_codecs(top.get("codecs", {}), source)
+    migration = top.typed("migration", str, "in_process")
+    if migration not in ("in_process", "external"):
+        raise top.error("migration", f"expected in_process or external, got {migration!r}")
     raw_tiers = top.typed("tiers", list, required=True)
     top.finish()
     if not raw_tiers:
@@ -207,7 +213,7 @@ def _parse(data: object, source: str) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"{source}: tiers[{i}].name: duplicate tier name {name!r}")
-    return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, tiers=tiers)
+    return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration, tiers=tiers)
 
 
 def _parse_budgets(data: object, source: str, chunk_size: int) -> Budgets:

@@ -108,10 +108,6 @@ class Engine:
         if torch.cuda.is_available() and not self._gpu_ready:
             log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
                         "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
-        if len(config.tiers) > 1:
-            log.warning("tiered: tiers %s are configured, but save() writes only the fast tier %r: background "
-                        "migration is not implemented yet (tiered.migrator.migrate_step copies steps down)",
-                        [t.name for t in config.tiers[1:]], fast.name)
         threads = config.zstd.threads or os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
         self._host = HostPool(config.budgets.host_buffer, page=4096)
@@ -124,6 +120,14 @@ class Engine:
         self._api_lock = threading.RLock()  # save/restore/load from several threads run one at a time
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
+        self._migrations: "queue.Queue[int | None]" = queue.Queue()
+        self._migrating: set[int] = set()
+        self._migration_error: BaseException | None = None
+        self._migrator: threading.Thread | None = None
+        self._resume_scanned = threading.Event()
+        if len(config.tiers) > 1 and config.migration == "in_process":
+            self._migrator = threading.Thread(target=self._migrator_loop, name="tiered-migrator", daemon=True)
+            self._migrator.start()
         # A script that ends right after save() must not lose that checkpoint with the daemon writer.
         # threading's exit hooks run before concurrent.futures shuts its pools down (which would
         # refuse the codec work) and before atexit; fall back to atexit where they are missing.
@@ -245,7 +249,7 @@ class Engine:
         self._raise_background_error()
 
     def close(self, raise_errors: bool = True) -> None:
-        """Wait for in-flight saves, stop the writer, free staging memory."""
+        """Wait for in-flight saves and queued migrations, stop the threads, free staging memory."""
         if self._closed:
             return
         try:
@@ -260,6 +264,10 @@ class Engine:
             self._closed = True
             self._jobs.put(None)
             self._writer.join()
+            if self._migrator is not None:
+                # Queued migrations finish first (FIFO); one cut short by a crash resumes next run.
+                self._migrations.put(None)
+                self._migrator.join()
             self._pool.shutdown()
             self._devices.clear()
 
@@ -426,7 +434,74 @@ class Engine:
                 continue
             with self._lock:
                 self._inflight.pop(job.step, None)
+                if self._migrator is not None:
+                    self._migrating.add(job.step)
             job.handle.persisted.set_result(manifest)
+            if self._migrator is not None:
+                self._migrations.put(job.step)
+
+    def _migrator_loop(self) -> None:
+        """Copies each committed step down the tiers, one hop at a time (each tier from the one
+        above it, so a step is recompressed once, where the codec changes). Off the training
+        path: CPU codec threads, and GPU decoding (ANS) on a device object of its own."""
+        from tiered.migrator import gpu_decoder, migrate_step
+
+        gpu = None
+        try:  # resume: steps an earlier run committed but did not finish migrating
+            lowest = set(self.steps(self.config.tiers[-1].name))
+            for step in self.steps():
+                if step not in lowest:
+                    with self._lock:
+                        if step in self._migrating:
+                            continue
+                        self._migrating.add(step)
+                    log.info("tiered: resuming migration of step %d", step)
+                    self._migrations.put(step)
+        except Exception as exc:  # noqa: BLE001 - e.g. S3 unreachable now; new steps still queue
+            log.error("tiered: cannot list the tiers to resume migrations: %r", exc)
+            with self._lock:
+                self._migration_error = self._migration_error or exc
+        finally:
+            self._resume_scanned.set()
+        while True:
+            step = self._migrations.get()
+            if step is None:
+                return
+            try:
+                for upper, lower in zip(self.config.tiers, self.config.tiers[1:]):
+                    if gpu is None and self._gpu_ready:
+                        from tiered.gpu import GpuDevice
+
+                        gpu = gpu_decoder(GpuDevice(torch.cuda.current_device(), self.config.chunk_size,
+                                                    self.config.budgets, self.config.zstd, self._host))
+                    migrate_step(step, self.get_tier(upper.name), self.get_tier(lower.name), codec=lower.codec,
+                                 settings=self.config.zstd, pool=self._pool, gpu_decode=gpu)
+            except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
+                log.error("tiered: migration of step %d failed (it stays on the faster tiers): %r", step, exc)
+                with self._lock:
+                    self._migration_error = self._migration_error or exc
+            finally:
+                with self._lock:
+                    self._migrating.discard(step)
+
+    def wait_migrated(self, timeout: float | None = None) -> None:
+        """Wait until every committed step queued for migration is on every tier; raise the
+        first migration failure since the last call."""
+        self.wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._migrator is not None:
+            self._resume_scanned.wait(timeout)
+        while True:
+            with self._lock:
+                busy = bool(self._migrating)
+                err, self._migration_error = self._migration_error, None
+            if err is not None:
+                raise TieredError(f"migration failed: {err!r}") from err
+            if not busy:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"steps {sorted(self._migrating)} are still migrating")
+            time.sleep(0.05)
 
     def _write(self, job: _Job) -> Manifest:
         job.go.wait()
