@@ -120,14 +120,11 @@ class Engine:
         self._api_lock = threading.RLock()  # save/restore/load from several threads run one at a time
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
-        self._migrations: "queue.Queue[int | None]" = queue.Queue()
-        self._migrating: set[int] = set()
-        self._migration_error: BaseException | None = None
-        self._migrator: threading.Thread | None = None
-        self._resume_scanned = threading.Event()
+        self._migrator: Any = None
         if len(config.tiers) > 1 and config.migration == "in_process":
-            self._migrator = threading.Thread(target=self._migrator_loop, name="tiered-migrator", daemon=True)
-            self._migrator.start()
+            from tiered.migrator import BackgroundMigrator
+
+            self._migrator = BackgroundMigrator(config, self.get_tier, self._pool, self._gpu_decoder)
         # A script that ends right after save() must not lose that checkpoint with the daemon writer.
         # threading's exit hooks run before concurrent.futures shuts its pools down (which would
         # refuse the codec work) and before atexit; fall back to atexit where they are missing.
@@ -162,15 +159,16 @@ class Engine:
         """A configured tier by name (default: the fast tier); created on first use."""
         if name is None:
             return self.tier
-        tier = self._tiers.get(name)
-        if tier is None:
-            cfg = next((t for t in self.config.tiers if t.name == name), None)
-            if cfg is None:
-                raise KeyError(f"no tier named {name!r} in {self.config.source} "
-                               f"(tiers: {', '.join(t.name for t in self.config.tiers)})")
-            from tiered.tiers import make_tier
+        with self._lock:  # the migrator thread and the caller may both ask first
+            tier = self._tiers.get(name)
+            if tier is None:
+                cfg = next((t for t in self.config.tiers if t.name == name), None)
+                if cfg is None:
+                    raise KeyError(f"no tier named {name!r} in {self.config.source} "
+                                   f"(tiers: {', '.join(t.name for t in self.config.tiers)})")
+                from tiered.tiers import make_tier
 
-            tier = self._tiers[name] = make_tier(cfg)
+                tier = self._tiers[name] = make_tier(cfg)
         return tier
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -265,9 +263,7 @@ class Engine:
             self._jobs.put(None)
             self._writer.join()
             if self._migrator is not None:
-                # Queued migrations finish first (FIFO); one cut short by a crash resumes next run.
-                self._migrations.put(None)
-                self._migrator.join()
+                self._migrator.stop()  # queued migrations finish first; a crash resumes next run
             self._pool.shutdown()
             self._devices.clear()
 
@@ -392,6 +388,17 @@ class Engine:
                 reader.close()
 
     # --- internals -----------------------------------------------------------------------
+    def _gpu_decoder(self) -> Any:
+        """A GPU decoder for the migrator (ANS sources): a device object of its own, so its
+        streams never queue behind save()'s; None without GPU codecs."""
+        if not self._gpu_ready:
+            return None
+        from tiered.gpu import GpuDevice
+        from tiered.migrator import gpu_decoder
+
+        return gpu_decoder(GpuDevice(torch.cuda.current_device(), self.config.chunk_size, self.config.budgets,
+                                     self.config.zstd, self._host))
+
     def _device(self, index: int):
         dev = self._devices.get(index)
         if dev is None:
@@ -434,74 +441,16 @@ class Engine:
                 continue
             with self._lock:
                 self._inflight.pop(job.step, None)
-                if self._migrator is not None:
-                    self._migrating.add(job.step)
             job.handle.persisted.set_result(manifest)
             if self._migrator is not None:
-                self._migrations.put(job.step)
-
-    def _migrator_loop(self) -> None:
-        """Copies each committed step down the tiers, one hop at a time (each tier from the one
-        above it, so a step is recompressed once, where the codec changes). Off the training
-        path: CPU codec threads, and GPU decoding (ANS) on a device object of its own."""
-        from tiered.migrator import gpu_decoder, migrate_step
-
-        gpu = None
-        try:  # resume: steps an earlier run committed but did not finish migrating
-            lowest = set(self.steps(self.config.tiers[-1].name))
-            for step in self.steps():
-                if step not in lowest:
-                    with self._lock:
-                        if step in self._migrating:
-                            continue
-                        self._migrating.add(step)
-                    log.info("tiered: resuming migration of step %d", step)
-                    self._migrations.put(step)
-        except Exception as exc:  # noqa: BLE001 - e.g. S3 unreachable now; new steps still queue
-            log.error("tiered: cannot list the tiers to resume migrations: %r", exc)
-            with self._lock:
-                self._migration_error = self._migration_error or exc
-        finally:
-            self._resume_scanned.set()
-        while True:
-            step = self._migrations.get()
-            if step is None:
-                return
-            try:
-                for upper, lower in zip(self.config.tiers, self.config.tiers[1:]):
-                    if gpu is None and self._gpu_ready:
-                        from tiered.gpu import GpuDevice
-
-                        gpu = gpu_decoder(GpuDevice(torch.cuda.current_device(), self.config.chunk_size,
-                                                    self.config.budgets, self.config.zstd, self._host))
-                    migrate_step(step, self.get_tier(upper.name), self.get_tier(lower.name), codec=lower.codec,
-                                 settings=self.config.zstd, pool=self._pool, gpu_decode=gpu)
-            except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
-                log.error("tiered: migration of step %d failed (it stays on the faster tiers): %r", step, exc)
-                with self._lock:
-                    self._migration_error = self._migration_error or exc
-            finally:
-                with self._lock:
-                    self._migrating.discard(step)
+                self._migrator.submit(job.step)
 
     def wait_migrated(self, timeout: float | None = None) -> None:
         """Wait until every committed step queued for migration is on every tier; raise the
         first migration failure since the last call."""
         self.wait()
-        deadline = None if timeout is None else time.monotonic() + timeout
         if self._migrator is not None:
-            self._resume_scanned.wait(timeout)
-        while True:
-            with self._lock:
-                busy = bool(self._migrating)
-                err, self._migration_error = self._migration_error, None
-            if err is not None:
-                raise TieredError(f"migration failed: {err!r}") from err
-            if not busy:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"steps {sorted(self._migrating)} are still migrating")
-            time.sleep(0.05)
+            self._migrator.wait(timeout)
 
     def _write(self, job: _Job) -> Manifest:
         job.go.wait()

@@ -18,6 +18,8 @@ are deterministic, so a restarted migration produces byte-identical files.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -29,7 +31,7 @@ from tiered import checksum
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
 from tiered.cpu import decode_into, read_windows, verified
-from tiered.errors import CodecUnavailableError
+from tiered.errors import CodecUnavailableError, TieredError
 from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
 from tiered.units import format_size, round_up
 
@@ -175,3 +177,84 @@ def gpu_decoder(device: Any) -> Callable[..., np.ndarray]:
         return tmp.reshape(-1).view(torch.uint8).cpu().numpy()
 
     return decode
+
+
+class BackgroundMigrator:
+    """Copies each committed step down the tiers on a thread of its own, one hop at a time (each
+    tier from the one above it, so a step is recompressed once, where the codec changes).
+
+    Call order: ``submit(step)`` after each commit; ``wait(timeout)`` to block until queued steps
+    are everywhere (raises the first failure since the last call); ``stop()`` finishes the queue
+    and ends the thread. On start it queues committed steps that an earlier run left unmigrated.
+    A failed migration leaves the step on the faster tiers: nothing committed is ever lost.
+    """
+
+    def __init__(self, config: Any, get_tier: Callable[[str], Any], pool: ThreadPoolExecutor,
+                 make_gpu_decode: Callable[[], Any]):
+        self._config, self._get_tier, self._pool = config, get_tier, pool
+        self._make_gpu_decode = make_gpu_decode
+        self._queue: "queue.Queue[int | None]" = queue.Queue()
+        self._pending: set[int] = set()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._scanned = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tiered-migrator", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        with self._lock:
+            if step in self._pending:
+                return
+            self._pending.add(step)
+        self._queue.put(step)
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._scanned.wait(timeout)
+        while True:
+            with self._lock:
+                busy = sorted(self._pending)
+                err, self._error = self._error, None
+            if err is not None:
+                raise TieredError(f"migration failed: {err!r}") from err
+            if not busy:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"steps {busy} are still migrating")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or exc
+
+    def _run(self) -> None:
+        tiers = self._config.tiers
+        try:  # resume: steps an earlier run committed but did not finish migrating
+            lowest = set(self._get_tier(tiers[-1].name).steps())
+            for step in self._get_tier(tiers[0].name).steps():
+                if step not in lowest:
+                    log.info("tiered: resuming migration of step %d", step)
+                    self.submit(step)
+        except Exception as exc:  # noqa: BLE001 - e.g. S3 unreachable now; new steps still queue
+            log.error("tiered: cannot list the tiers to resume migrations: %r", exc)
+            self._fail(exc)
+        finally:
+            self._scanned.set()
+        gpu_decode = None
+        while (step := self._queue.get()) is not None:
+            try:
+                for upper, lower in zip(tiers, tiers[1:]):
+                    if gpu_decode is None:
+                        gpu_decode = self._make_gpu_decode()
+                    migrate_step(step, self._get_tier(upper.name), self._get_tier(lower.name), codec=lower.codec,
+                                 settings=self._config.zstd, pool=self._pool, gpu_decode=gpu_decode)
+            except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
+                log.error("tiered: migration of step %d failed (it stays on the faster tiers): %r", step, exc)
+                self._fail(exc)
+            finally:
+                with self._lock:
+                    self._pending.discard(step)
