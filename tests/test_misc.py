@@ -95,3 +95,29 @@ def test_row_ring_fifo_wraps_and_blocks():
     assert got == [0]
     with pytest.raises(ValueError):
         ring.acquire(11)
+
+
+@pytest.mark.parametrize("case", [
+    dict(sizes=[1 << 20] * 5, pack=2 << 20, rows=10, expected=[(0, 2), (2, 4), (4, 5)]),
+    dict(sizes=[1 << 20] * 5, pack=100 << 20, rows=2, expected=[(0, 2), (2, 4), (4, 5)]),
+    dict(sizes=[300, 300, 300], pack=512, rows=10, expected=[(0, 1), (1, 2), (2, 3)]),  # 256-byte aligned slots
+    dict(sizes=[100, 100, 100], pack=768, rows=10, expected=[(0, 3)]),
+    dict(sizes=[4 << 20], pack=1 << 20, rows=1, expected=[(0, 1)]),  # a chunk larger than the buffer still goes alone
+    dict(sizes=[], pack=1, rows=1, expected=[]),
+])
+def test_wave_bounds(case):
+    from tiered.gpu import _wave_bounds
+
+    assert _wave_bounds(case["sizes"], case["pack"], case["rows"]) == case["expected"]
+
+
+def test_row_ring_on_block_called_only_when_waiting():
+    import threading
+
+    ring = RowRing(4)
+    calls = []
+    a = ring.acquire(3, on_block=lambda: calls.append("blocked"))
+    assert a == 0 and calls == []
+    threading.Timer(0.1, ring.release, args=(a,)).start()
+    assert ring.acquire(3, on_block=lambda: calls.append("blocked")) == 0
+    assert calls == ["blocked"]

@@ -58,10 +58,7 @@ def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
         used += c.raw_size
     for wave in waves:
         nbytes = sum(c.raw_size for c in wave)
-        page = host.ring.try_acquire(host.pages(nbytes))
-        if page is None:
-            on_block()
-            page = host.ring.acquire(host.pages(nbytes))
+        page = host.ring.acquire(host.pages(nbytes), on_block)
         raw = host.view(page, nbytes)
         pos = 0
         for plan, j0, n in pieces(wave):
@@ -74,6 +71,18 @@ def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
         emit(RawSegment(wave, raw, lambda p=page: host.ring.release(p)))
 
 
+def pad_extent(stored: bytes | memoryview) -> memoryview:
+    """A chunk's stored bytes zero-padded to its aligned extent in the data file."""
+    padded = bytearray(round_up(len(stored), ALIGNMENT))
+    padded[:len(stored)] = stored
+    return memoryview(padded)
+
+
+def stored_extent(stored: bytes | memoryview) -> tuple[memoryview, int, int]:
+    """(padded extent, stored size, checksum) of a freshly encoded chunk."""
+    return pad_extent(stored), len(stored), wsum64(stored)
+
+
 def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSettings) -> list[tuple[memoryview, int, int]]:
     """[(padded stored extent, stored size, checksum)] for each chunk of the segment, in order."""
     buf = seg.raw.numpy()
@@ -81,10 +90,7 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
 
     def one(i: int) -> tuple[memoryview, int, int]:
         c = seg.chunks[i]
-        stored = get_codec(c.plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]]))
-        padded = bytearray(round_up(len(stored), ALIGNMENT))
-        padded[:len(stored)] = stored
-        return memoryview(padded), len(stored), wsum64(stored)
+        return stored_extent(get_codec(c.plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]])))
 
     return list(pool.map(one, range(len(seg.chunks))))
 

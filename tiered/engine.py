@@ -316,7 +316,7 @@ class Engine:
         return manifest, indexes[self.rank]
 
     def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None, tier: Any) -> Any:
-        _, index = self.read_index(step, tier.name)
+        index = read_step(tier, step)[1][self.rank]
         _, leaves = tree.flatten(target)
         targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
         dests: dict[int, torch.Tensor] = {}

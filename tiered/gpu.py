@@ -135,7 +135,7 @@ class GpuDevice:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for p in plans:
             p.tensor.record_stream(self.stream)
-        waves = _waves(chunks, pack.numel(), ring.rows, self.chunk_size)
+        waves = [chunks[i:k] for i, k in _wave_bounds([c.raw_size for c in chunks], pack.numel(), ring.rows)]
         t["order_ms"] = 1e3 * (clock() - t0)
         if len(chunks) > ring.rows:
             self.host.reserve((len(chunks) - ring.rows + len(waves[0])) * stride)
@@ -144,10 +144,7 @@ class GpuDevice:
         sources: dict[int, torch.Tensor] = {}
         for wi, wave in enumerate(waves):
             t1 = clock()
-            start = ring.try_acquire(len(wave))
-            if start is None:
-                on_block()
-                start = ring.acquire(len(wave))
+            start = ring.acquire(len(wave), on_block)
             rows = self._slab[start * stride:(start + len(wave)) * stride].view(len(wave), stride)
             t2 = clock()
             with torch.cuda.stream(self.stream):
@@ -261,19 +258,8 @@ class GpuDevice:
         refs = [(rec, tmp, j) for rec, _, tmp in work for j in range(len(rec.chunks))]
         if refs:
             stride = round_up(max(rec.chunks[j].extent for rec, _, j in refs), ALIGNMENT)
-            max_rows = max(1, self.budgets.gpu_buffer // stride)
-            waves: list[tuple[int, int]] = []
-            i = 0
-            while i < len(refs):
-                k, used = i, 0
-                while k < len(refs) and k - i < max_rows:
-                    need = round_up(refs[k][0].chunks[refs[k][2]].raw_size, _PACK_ALIGN)
-                    if k > i and used + need > self.budgets.pack_buffer:
-                        break
-                    used += need
-                    k += 1
-                waves.append((i, k))
-                i = k
+            waves = _wave_bounds([rec.chunks[j].raw_size for rec, _, j in refs], self.budgets.pack_buffer,
+                                 max(1, self.budgets.gpu_buffer // stride))
             rows_cap = max(k - i for i, k in waves)
             slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=self.device)
             pack = torch.empty(min(self.budgets.pack_buffer, sum(
@@ -348,20 +334,20 @@ def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return ev
 
 
-def _waves(chunks: Sequence[ChunkRef], pack_bytes: int, max_rows: int, chunk_size: int) -> list[list[ChunkRef]]:
-    waves: list[list[ChunkRef]] = []
-    cur: list[ChunkRef] = []
-    used = 0
-    for c in chunks:
-        need = round_up(c.raw_size, _PACK_ALIGN)
-        if cur and (used + need > pack_bytes or len(cur) >= max_rows):
-            waves.append(cur)
-            cur, used = [], 0
-        cur.append(c)
+def _wave_bounds(raw_sizes: Sequence[int], pack_bytes: int, max_rows: int) -> list[tuple[int, int]]:
+    """[(i, k)]: consecutive runs of chunks whose raw bytes fit the pack buffer (each chunk
+    aligned to _PACK_ALIGN there) and whose count fits `max_rows` slab rows; at least one chunk each."""
+    bounds: list[tuple[int, int]] = []
+    i, used = 0, 0
+    for k, size in enumerate(raw_sizes):
+        need = round_up(size, _PACK_ALIGN)
+        if k > i and (used + need > pack_bytes or k - i >= max_rows):
+            bounds.append((i, k))
+            i, used = k, 0
         used += need
-    if cur:
-        waves.append(cur)
-    return waves
+    if i < len(raw_sizes):
+        bounds.append((i, len(raw_sizes)))
+    return bounds
 
 
 class _Done:

@@ -30,10 +30,10 @@ import torch
 from tiered import checksum
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.cpu import decode_into, read_windows, verified
+from tiered.cpu import decode_into, pad_extent, read_windows, stored_extent, verified
 from tiered.errors import CodecUnavailableError, TieredError
-from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
-from tiered.units import format_size, round_up
+from tiered.format import ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
+from tiered.units import format_size
 
 log = logging.getLogger("tiered")
 _WINDOW = 64  # chunks per ranged read: bounds memory whatever the tensor's size
@@ -118,12 +118,6 @@ def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu_deco
                      skeleton=index.skeleton, tensors=tuple(records), io=getattr(writer, "io_mode", ""))
 
 
-def _pad(data: bytes | memoryview) -> memoryview:
-    padded = bytearray(round_up(len(data), ALIGNMENT))
-    padded[:len(data)] = data
-    return memoryview(padded)
-
-
 def _tensor_chunks(rec: TensorRecord, spec: CodecSpec, reader, chunk_size: int, settings: ZstdSettings,
                    pool: ThreadPoolExecutor, gpu_decode):
     """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order."""
@@ -142,8 +136,8 @@ def _tensor_chunks(rec: TensorRecord, spec: CodecSpec, reader, chunk_size: int, 
             idx = range(w, min(w + _WINDOW, len(rec.chunks)))
 
             def encode(j: int):
-                stored = dst_codec.encode_chunk(memoryview(raw_all[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size]))
-                return _pad(stored), len(stored), checksum.wsum64(stored)
+                return stored_extent(dst_codec.encode_chunk(
+                    memoryview(raw_all[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size])))
 
             yield from zip((rec.chunks[j] for j in idx), pool.map(encode, idx))
         return
@@ -152,11 +146,10 @@ def _tensor_chunks(rec: TensorRecord, spec: CodecSpec, reader, chunk_size: int, 
         def one(j: int):
             stored = verified(rec, j, data, base, reader.path)
             if keep:
-                return _pad(stored), len(stored), rec.chunks[j].checksum
+                return pad_extent(stored), len(stored), rec.chunks[j].checksum
             raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
             decode_into(src_codec, rec, j, stored, memoryview(raw), reader.path)
-            new = dst_codec.encode_chunk(memoryview(raw))
-            return _pad(new), len(new), checksum.wsum64(new)
+            return stored_extent(dst_codec.encode_chunk(memoryview(raw)))
 
         yield from zip((rec.chunks[j] for j in window), pool.map(one, window))
 

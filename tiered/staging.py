@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -43,9 +44,16 @@ class RowRing:
                 return start
         return None
 
-    def acquire(self, n: int) -> int:
+    def acquire(self, n: int, on_block: Callable[[], None] | None = None) -> int:
+        """Rows [start, start + n); waits while they are held. `on_block` runs (once, outside the
+        lock) before the first wait: save() uses it to let the writer start freeing rows."""
         if n > self.rows:
             raise ValueError(f"{n} rows requested from a ring of {self.rows}")
+        if on_block is not None:
+            start = self.try_acquire(n)
+            if start is not None:
+                return start
+            on_block()
         with self._cv:
             while (start := self._try(n)) is None:
                 self._cv.wait()

@@ -47,20 +47,19 @@ def flatten(state: Any) -> tuple[Any, list[Leaf]]:
 
 
 def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
-    kind = type(obj)
-    if kind is str or kind is int or kind is bool or obj is None:
+    if obj is None or isinstance(obj, (str, int)):  # int covers bool
         return obj
-    if kind is dict or kind is OrderedDict:
+    if isinstance(obj, dict):
         items = []
         for k, v in obj.items():
-            if type(k) is not str:
-                if not isinstance(k, (str, int, float, bool, type(None), tuple)):
-                    raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
+            if type(k) is str:
+                k_enc = k
+            elif isinstance(k, (str, int, float, bool, type(None), tuple)):
                 k_enc = _encode(k, path, [])
             else:
-                k_enc = k
+                raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
             items.append([k_enc, _encode(v, path + (k,), leaves)])
-        return {"$odict" if kind is OrderedDict else "$dict": items}
+        return {"$odict" if isinstance(obj, OrderedDict) else "$dict": items}
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
             raise StateDictError(f"{path_str(path)}: {obj.layout} / quantized / nested tensors are not supported")
@@ -74,10 +73,6 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
             raise StateDictError(f"{path_str(path)}: numpy arrays of dtype {obj.dtype} cannot be stored without pickling")
         leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj).copy()), True))
         return {"$tensor": len(leaves) - 1}
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"$float": repr(obj)}
     if isinstance(obj, np.generic):
@@ -90,14 +85,6 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
         return {"$device": str(obj)}
     if isinstance(obj, torch.Size):
         return {"$size": list(obj)}
-    if isinstance(obj, dict):
-        tag = "$odict" if isinstance(obj, OrderedDict) else "$dict"
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
-                raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
-            items.append([_encode(k, path, []), _encode(v, path + (k,), leaves)])
-        return {tag: items}
     if isinstance(obj, list):
         return [_encode(v, path + (i,), leaves) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
