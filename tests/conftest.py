@@ -35,6 +35,18 @@ def tier_config(tmp_path):
     return make
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _bandwidth_cache(tmp_path_factory):
+    """Probed tier bandwidths go to a per-run cache, never the user's ~/.cache/tiered."""
+    saved = os.environ.get("TIERED_CACHE_DIR")
+    os.environ["TIERED_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if saved is None:
+        os.environ.pop("TIERED_CACHE_DIR", None)
+    else:
+        os.environ["TIERED_CACHE_DIR"] = saved
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real SeaweedFS S3 server on loopback for the whole run; its keys are in the environment

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_embedded_default_is_configs_local_yaml():
     cfg = load_config()
-    assert cfg.tiers[0].path == Path(".tiered/local") and cfg.tiers[0].codec == "ans"
+    assert cfg.tiers[0].path == Path(".tiered/local") and cfg.tiers[0].codec == "auto"
     assert (ROOT / "configs" / "local.yaml").read_text() == (ROOT / "tiered" / "configs" / "local.yaml").read_text()
     assert load_config(ROOT / "configs" / "local.yaml") == load_config().__class__(
         **{**load_config().__dict__, "source": str(ROOT / "configs" / "local.yaml")})
@@ -24,8 +24,10 @@ def test_embedded_default_is_configs_local_yaml():
 def test_example_cluster_config():
     cfg = load_config(ROOT / "configs" / "example-cluster.yaml")
     nvme, shared, s3 = cfg.tiers
-    assert isinstance(nvme, LocalTierConfig) and nvme.codec == "ans" and nvme.bandwidth == 6e9
-    assert isinstance(shared, PosixTierConfig) and shared.portable and shared.codec == "zstd"
+    assert isinstance(nvme, LocalTierConfig) and nvme.codec == "auto" and nvme.bandwidth == 6e9
+    assert nvme.keep_last == 3 and nvme.keep_every is None and s3.keep_last is None and not s3.retention
+    assert isinstance(shared, PosixTierConfig) and shared.portable and shared.codec == "auto"
+    assert shared.keep_last == 10 and shared.keep_every == 5000 and s3.codec == "zstd"
     assert isinstance(s3, S3TierConfig) and s3.bucket == "my-team-checkpoints" and s3.region == "us-east-1"
     assert cfg.budgets.gpu_buffer == 8 * 2**30 and cfg.chunk_size == 2**20
 
@@ -69,7 +71,9 @@ LOCAL = {"name": "local", "kind": "local", "path": "/tmp/x"}
     (dict(), "tiers", "is required"),
     (dict(tiers=[{**LOCAL, "kind": "nvme"}]), "tiers[0].kind", "unknown tier kind 'nvme'"),
     (dict(tiers=[{**LOCAL, "codec": "lz4"}]), "tiers[0].codec", "unknown codec 'lz4'"),
-    (dict(tiers=[{**LOCAL, "portable": True}]), "tiers[0].codec", "needs a GPU to decode"),
+    (dict(tiers=[{**LOCAL, "portable": True, "codec": "ans"}]), "tiers[0].codec", "needs a GPU to decode"),
+    (dict(tiers=[{**LOCAL, "keep_last": 0}]), "tiers[0].keep_last", "at least 1"),
+    (dict(tiers=[{**LOCAL, "keep_every": "often"}]), "tiers[0].keep_every", "expected an integer"),
     (dict(tiers=[{**LOCAL, "portable": "yes"}]), "tiers[0].portable", "expected true/false"),
     (dict(tiers=[{**LOCAL, "bandwidth": "fast"}]), "tiers[0].bandwidth", "expected a bandwidth"),
     (dict(tiers=[{**LOCAL, "direct_io": "maybe"}]), "tiers[0].direct_io", "auto, on or off"),

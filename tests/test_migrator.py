@@ -7,13 +7,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 import tiered
-from tiered.migrator import gpu_decoder, migrate_step
+from tiered.migrator import GpuRecoder, migrate_step
 from helpers import assert_same, mixed_state, trained_model
 
 
@@ -147,7 +148,7 @@ def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
         device = engine._device(0)
         assert isinstance(device, GpuDevice)
         migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd",
-                     gpu_decode=gpu_decoder(device))
+                     gpu=GpuRecoder(device))
         _, index = engine.read_index(1, tier="shared")
         assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
         on_cpu = engine.load(1, tier="shared", device="cpu")   # decoded by the CPU path
@@ -167,7 +168,8 @@ def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
         path = "/x/rank_00000.data"
 
     with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
-        list(_tensor_chunks(rec, CodecSpec.of("zstd", shuffle=4), Reader(), 1 << 20, ZstdSettings(), None, None))
+        list(_tensor_chunks(1, None, types.SimpleNamespace(chunk_size=1 << 20), rec, CodecSpec.of("zstd", shuffle=4),
+                                Reader(), ZstdSettings(), None, None, None))
 
 
 def test_engine_migrates_in_the_background_and_resumes(tmp_path, s3_server, s3_bucket):

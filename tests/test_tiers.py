@@ -30,6 +30,13 @@ class TierContract:
         if commit:
             tier.commit(step, b'{"manifest": %d}' % step)
 
+    @staticmethod
+    def names(tier) -> list[str]:
+        """Every file or object name under the tier, committed or not."""
+        if hasattr(tier, "client"):
+            return [o["Key"] for o in tier.client.list_objects_v2(Bucket=tier.bucket).get("Contents", ())]
+        return [os.path.join(d, f) for d, _, files in os.walk(tier.root) for f in files]
+
     def test_empty(self, tier):
         assert tier.steps() == [] and not tier.has_step(1)
         with pytest.raises(CheckpointNotFoundError):
@@ -76,6 +83,23 @@ class TierContract:
         tier.discard(4)
         with pytest.raises(CheckpointNotFoundError):
             tier.open_data_reader(4, "rank_00000.data", device=False)
+
+    def test_delete_uncommits_first_then_removes(self, tier):
+        self.write_step(tier, 8, extents(2))
+        self.write_step(tier, 9, extents(2))
+        tier.delete(8)
+        assert tier.steps() == [9] and not tier.has_step(8)
+        with pytest.raises(CheckpointNotFoundError):
+            tier.read_manifest(8)
+        tier.begin_step(8)  # nothing of the deleted step is left in the way
+        assert tier.read_manifest(9) == b'{"manifest": 9}'
+
+    def test_probe_bandwidth_leaves_nothing_behind(self, tier):
+        self.write_step(tier, 3, extents(1))
+        bw = tier.probe_bandwidth(8 << 20)
+        assert bw > 0
+        assert tier.steps() == [3] and tier.read_manifest(3) == b'{"manifest": 3}'
+        assert not any(".tiered-probe" in name for name in self.names(tier))
 
     def test_names_must_stay_inside_the_step(self, tier):
         self.write_step(tier, 6, extents(1))

@@ -23,6 +23,8 @@ from tiered.units import parse_bandwidth, parse_size
 
 CONFIG_VERSION = 1
 CODEC_NAMES = ("ans", "zstd", "none")
+AUTO = "auto"
+"""A tier's codec chosen by `tiered.policy.choose_codec` from measurements (the default)."""
 CPU_DECODABLE_CODECS = ("zstd", "none")
 _MIN_CHUNK = 64 * 1024
 _MAX_CHUNK = 64 * 1024 * 1024
@@ -51,11 +53,20 @@ class ZstdSettings:
 class TierConfig:
     name: str
     kind: str
-    codec: str
+    codec: str = AUTO
+    """A codec name pins it; "auto" lets the policy choose from measured bandwidth and codec speed."""
     portable: bool = False
     """Only codecs that a CPU can decode are allowed (restorable without a GPU)."""
     bandwidth: float | None = None
-    """Bytes/s; optional hint for codec policy (probed when absent)."""
+    """Bytes/s the policy assumes for this tier; probed once and cached when absent."""
+    keep_last: int | None = None
+    """Retention: keep the newest `keep_last` steps here (None: no limit from this rule)."""
+    keep_every: int | None = None
+    """Retention: also keep every step that is a multiple of `keep_every`."""
+
+    @property
+    def retention(self) -> bool:
+        return self.keep_last is not None or self.keep_every is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +255,7 @@ def _parse_codecs(data: object, source: str) -> ZstdSettings:
     return ZstdSettings(level=level, threads=threads)
 
 
-_TIER_DEFAULT_CODEC = {"local": "ans", "posix": "zstd", "s3": "zstd"}
+_TIER_KINDS = ("local", "posix", "s3")
 
 
 def _parse_tier(data: object, source: str, where: str) -> TierConfig:
@@ -253,13 +264,13 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise f.error("name", f"use letters, digits, '-' and '_' only, got {name!r}")
     kind = f.typed("kind", str, required=True)
-    if kind not in _TIER_DEFAULT_CODEC:
-        raise f.error("kind", f"unknown tier kind {kind!r} (known: {', '.join(_TIER_DEFAULT_CODEC)})")
+    if kind not in _TIER_KINDS:
+        raise f.error("kind", f"unknown tier kind {kind!r} (known: {', '.join(_TIER_KINDS)})")
     portable = f.typed("portable", bool, kind != "local")
-    codec = f.typed("codec", str, _TIER_DEFAULT_CODEC[kind])
-    if codec not in CODEC_NAMES:
-        raise f.error("codec", f"unknown codec {codec!r} (known: {', '.join(CODEC_NAMES)})")
-    if portable and codec not in CPU_DECODABLE_CODECS:
+    codec = f.typed("codec", str, AUTO)
+    if codec not in CODEC_NAMES + (AUTO,):
+        raise f.error("codec", f"unknown codec {codec!r} (known: {AUTO}, {', '.join(CODEC_NAMES)})")
+    if portable and codec not in CPU_DECODABLE_CODECS + (AUTO,):
         raise f.error("codec", f"tier is portable: true, but {codec!r} needs a GPU to decode "
                                f"(use one of {', '.join(CPU_DECODABLE_CODECS)})")
     bandwidth = f.get("bandwidth", None)
@@ -268,7 +279,13 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
             bandwidth = parse_bandwidth(bandwidth)
         except ValueError as exc:
             raise f.error("bandwidth", str(exc)) from None
-    common = dict(name=name, kind=kind, codec=codec, portable=portable, bandwidth=bandwidth)
+    retention = {}
+    for key in ("keep_last", "keep_every"):
+        value = f.typed(key, int, None)
+        if value is not None and value < 1:
+            raise f.error(key, f"must be at least 1 (leave it out to keep every step), got {value}")
+        retention[key] = value
+    common = dict(name=name, kind=kind, codec=codec, portable=portable, bandwidth=bandwidth, **retention)
     if kind in ("local", "posix"):
         path = f.typed("path", str, required=True)
         if not path.strip():

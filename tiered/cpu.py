@@ -128,14 +128,31 @@ def decode_into(codec, rec: TensorRecord, j: int, stored: memoryview, out: memor
 
 
 def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
-                  settings: ZstdSettings, chunk_size: int) -> None:
-    """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes)."""
+                  settings: ZstdSettings, chunk_size: int, repair=None) -> None:
+    """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes).
+
+    `repair(rec, j, why)`, when given, supplies the raw bytes of a chunk that fails here (a
+    checksum or decode error, or `reader` None: the data file is missing); else that raises.
+    """
     codec = get_codec(rec.codec, settings)
+
+    def fix(j: int, why: str) -> None:
+        out[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size] = repair(rec, j, why)
+
+    if reader is None:
+        for j in range(len(rec.chunks)):
+            fix(j, "the data file is missing")
+        return
     for window, data, base in read_windows(rec, reader):
         def one(j: int) -> None:
-            stored = verified(rec, j, data, base, reader.path)
-            decode_into(codec, rec, j, stored, memoryview(out[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size]),
-                        reader.path)
+            try:
+                stored = verified(rec, j, data, base, reader.path)
+                decode_into(codec, rec, j, stored,
+                            memoryview(out[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size]), reader.path)
+            except CorruptionError as exc:
+                if repair is None:
+                    raise
+                fix(j, str(exc))
 
         for f in [pool.submit(one, j) for j in window]:
             f.result()

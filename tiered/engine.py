@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -26,7 +26,7 @@ import torch
 
 from tiered import checksum, cpu, tree
 from tiered.codecs import get_codec_class
-from tiered.config import Config, ConfigInput, load_config
+from tiered.config import AUTO, Config, ConfigInput, load_config
 from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, FormatError,
                            StateDictError, TieredError)
 from tiered.format import (ALIGNMENT, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
@@ -120,11 +120,17 @@ class Engine:
         self._api_lock = threading.RLock()  # save/restore/load from several threads run one at a time
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
+        fast_codec = config.fast_tier.codec
+        self._fast_codec = fast_codec if fast_codec != AUTO else ("ans" if self._gpu_ready else "zstd")
+        """The fast tier's codec for the next save. With codec: auto, the first save uses the usual
+        choice (ans on GPUs, zstd on CPUs) and a sample of it decides the rest (`_decide_codec`)."""
+        self._codec_sampled = fast_codec != AUTO
+        self._decider: threading.Thread | None = None
         self._migrator: Any = None
         if len(config.tiers) > 1 and config.migration == "in_process":
-            from tiered.migrator import BackgroundMigrator
+            from tiered.migrator import BackgroundMigrator, make_gpu_recoder
 
-            self._migrator = BackgroundMigrator(config, self.get_tier, self._pool, self._gpu_decoder)
+            self._migrator = BackgroundMigrator(config, self.get_tier, self._pool, lambda: make_gpu_recoder(config))
         # A script that ends right after save() must not lose that checkpoint with the daemon writer.
         # threading's exit hooks run before concurrent.futures shuts its pools down (which would
         # refuse the codec work) and before atexit; fall back to atexit where they are missing.
@@ -148,12 +154,21 @@ class Engine:
         """GPU tensors are compressed on the GPU and written through KvikIO (CUDA, nvCOMP and KvikIO present)."""
         return self._gpu_ready
 
+    @property
+    def fast_codec(self) -> str:
+        """The codec the next save uses for GPU tensors on the fast tier (CPU tensors get zstd
+        where this is ans)."""
+        return self._fast_codec
+
     def describe(self) -> str:
         """One line: where checkpoints go and how they are encoded on this machine."""
-        codec = self.config.fast_tier.codec
-        how = (f"GPU tensors: {codec} on the GPU via KvikIO; CPU tensors: zstd" if self._gpu_ready else
-               f"no GPU codecs here: every tensor is compressed with {'zstd' if codec == 'ans' else codec} on the CPU")
-        return f"tier {self.tier.name!r} at {self.tier.root} ({how})"
+        codec = self._fast_codec
+        auto = " (codec: auto; measured on the first save)" if not self._codec_sampled else ""
+        how = (f"GPU tensors: {codec} on the GPU via KvikIO; CPU tensors: {'zstd' if codec == 'ans' else codec}"
+               if self._gpu_ready else
+               f"no GPU codecs here: every tensor is stored with {'zstd' if codec == 'ans' else codec} on the CPU")
+        down = "".join(f" -> {t.name} ({t.kind})" for t in self.config.tiers[1:])
+        return f"tier {self.tier.name!r} at {self.tier.root} ({how}{auto}){down}"
 
     def get_tier(self, name: str | None = None) -> Any:
         """A configured tier by name (default: the fast tier); created on first use."""
@@ -171,11 +186,27 @@ class Engine:
                 tier = self._tiers[name] = make_tier(cfg)
         return tier
 
+    def committed(self) -> dict[str, list[int]]:
+        """Committed steps on each tier, by tier name. A tier that cannot be listed now (S3
+        unreachable, say) is logged and left out."""
+        out = {}
+        for cfg in self.config.tiers:
+            try:
+                out[cfg.name] = self.get_tier(cfg.name).steps()
+            except (TieredError, OSError) as exc:
+                log.warning("tiered: cannot list tier %r: %s", cfg.name, exc)
+        return out
+
     def steps(self, tier: str | None = None) -> list[int]:
-        """Committed steps on a tier (default: the fast tier), ascending."""
-        return self.get_tier(tier).steps()
+        """Committed steps on a tier, ascending; default: on any tier (every restorable step)."""
+        if tier is not None:
+            return self.get_tier(tier).steps()
+        if len(self.config.tiers) == 1:
+            return self.tier.steps()
+        return sorted(set().union(*self.committed().values()))
 
     def latest_step(self, tier: str | None = None) -> int | None:
+        """The newest committed step on a tier; default: on any tier (what `restore()` picks)."""
         steps = self.steps(tier)
         return steps[-1] if steps else None
 
@@ -201,7 +232,7 @@ class Engine:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
         skeleton, leaves = tree.flatten(state_dict)
-        plan = make_plan(leaves, self.config.fast_tier.codec, self.config.chunk_size, self._gpu_ready)
+        plan = make_plan(leaves, self._fast_codec, self.config.chunk_size, self._gpu_ready)
         self.tier.begin_step(step)
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -225,10 +256,13 @@ class Engine:
             raise
         job.segments.put(_END)
         job.go.set()
+        if not self._codec_sampled:
+            self._codec_sampled = True
+            self._sample_for_codec(plan, handle)
         if events:
             threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
         else:
-            handle.staged.set_result(step)
+            _settle(handle.staged, step)
         handle.stall_s = time.perf_counter() - t0
         return handle
 
@@ -262,6 +296,8 @@ class Engine:
             self._closed = True
             self._jobs.put(None)
             self._writer.join()
+            if self._decider is not None:
+                self._decider.join()
             if self._migrator is not None:
                 self._migrator.stop()  # queued migrations finish first; a crash resumes next run
             self._pool.shutdown()
@@ -270,53 +306,85 @@ class Engine:
     # --- restore -------------------------------------------------------------------------
     def restore(self, state_dict: Any, step: int | None = None, *, strict: bool = True,
                 tier: str | None = None) -> int:
-        """Load `step` (default: the latest committed) into `state_dict` in place; return the step.
+        """Load `step` (default: the newest committed on any tier) into `state_dict` in place;
+        return the step.
 
         Tensors present in `state_dict` receive the stored bytes where they are (GPU tensors are
         decoded on their GPU); entries missing from it (a fresh optimizer's state, say) are
         created on the device they were saved from, or the CPU. With `strict`, a tensor in
-        `state_dict` that the checkpoint lacks is an error. `tier` names the tier to read
-        (default: the fast tier).
+        `state_dict` that the checkpoint lacks is an error.
+
+        Reads from `tier`, default the fastest tier holding the step. A chunk that fails its
+        checksum there, or a missing file, is read from the next slower tier holding the step
+        instead (logged); a tier whose copy cannot be opened at all is skipped the same way.
         """
         self._check_open()
         self._raise_background_error()
         t0 = time.perf_counter()
-        source = self.get_tier(tier)
         with self._api_lock:
-            step = self._resolve_step(step, source)
-            loaded = self._load(step, state_dict, strict=strict, device=None, tier=source)
+            step, order = self._sources(step, tier)
+            loaded, source = self._load(step, state_dict, strict=strict, device=None, order=order)
             tree.merge_into(state_dict, loaded)
-        log.info("tiered: restored step %d from tier %r in %.2f s", step, source.name, time.perf_counter() - t0)
+        log.info("tiered: restored step %d from tier %r in %.2f s", step, source, time.perf_counter() - t0)
         return step
 
     def load(self, step: int | None = None, *, device: str | torch.device | None = None,
              tier: str | None = None) -> Any:
-        """A fresh copy of a step's state (default: latest), tensors on `device` or where they were saved."""
+        """A fresh copy of a step's state (default: the newest on any tier), tensors on `device`
+        or where they were saved. Reads and falls back as `restore` does."""
         self._check_open()
-        source = self.get_tier(tier)
         with self._api_lock:
-            return self._load(self._resolve_step(step, source), {}, strict=False,
-                              device=torch.device(device) if device is not None else None, tier=source)
+            step, order = self._sources(step, tier)
+            return self._load(step, {}, strict=False, device=torch.device(device) if device is not None else None,
+                              order=order)[0]
 
-    def _resolve_step(self, step: int | None, tier: Any) -> int:
+    def _sources(self, step: int | None, tier: str | None) -> tuple[int, list[Any]]:
+        """The step to read and the tiers holding it committed, fastest first (from `tier` on,
+        when one is named)."""
+        from tiered.policy import latest_restorable
+
+        names = [t.name for t in self.config.tiers]
+        if tier is not None:
+            self.get_tier(tier)  # names the known tiers when `tier` is not one
+            names = names[names.index(tier):]
+        committed = {tier: self.get_tier(tier).steps()} if tier is not None and len(names) == 1 else \
+            {n: steps for n, steps in self.committed().items() if n in names}
+        held = {n: set(steps) for n, steps in committed.items()}
+        where = (f"tier {names[0]!r} ({self.get_tier(names[0]).root})" if len(names) == 1 else
+                 "any tier (" + ", ".join(f"{n}: {self.get_tier(n).root}" for n in names) + ")")
         if step is None:
-            latest = self.latest_step(tier.name)
-            if latest is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in tier {tier.name!r} ({tier.root})")
-            return latest
-        if not tier.has_step(step):
-            steps = tier.steps()
-            raise CheckpointNotFoundError(f"step {step} is not committed in tier {tier.name!r} ({tier.root}); "
-                                          f"committed steps: {_summarize(steps)}")
-        return step
+            step = latest_restorable(held) if tier is None else latest_restorable({tier: held.get(tier, set())})
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {where}")
+        order = [self.get_tier(n) for n in names if step in held.get(n, ())]
+        if not order or (tier is not None and order[0].name != tier):
+            summary = _summarize(committed.get(names[0], [])) if len(names) == 1 else \
+                "; ".join(f"{n}: {_summarize(committed.get(n, []))}" for n in names)
+            raise CheckpointNotFoundError(f"step {step} is not committed in "
+                                          f"{where if tier is None else f'tier {tier!r}'}; committed steps: {summary}")
+        return step, order
 
     def read_index(self, step: int, tier: str | None = None) -> tuple[Manifest, RankIndex]:
         """A committed step's manifest and this rank's index, validated and cross-checked."""
         manifest, indexes = read_step(self.get_tier(tier), step)
         return manifest, indexes[self.rank]
 
-    def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None, tier: Any) -> Any:
-        index = read_step(tier, step)[1][self.rank]
+    def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None,
+              order: list[Any]) -> tuple[Any, str]:
+        """Decode `step` from the first tier of `order` that opens; the rest stand in for its
+        damaged chunks. Returns (state, name of the tier read)."""
+        for i, tier in enumerate(order):
+            try:
+                index = read_step(tier, step)[1][self.rank]
+                break
+            except (TieredError, OSError) as exc:
+                if i + 1 == len(order):
+                    raise
+                log.warning("tiered: step %d: cannot open it on tier %r (%s); reading tier %r instead", step,
+                            tier.name, exc, order[i + 1].name)
+        from tiered.fallback import ChunkRepair
+
+        repair = ChunkRepair(step, self.rank, tier.name, order[i + 1:], self.config.zstd, index.chunk_size)
         _, leaves = tree.flatten(target)
         targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
         dests: dict[int, torch.Tensor] = {}
@@ -335,15 +403,20 @@ class Engine:
         if strict and targets:
             raise StateDictError(f"step {step} has no entry for {_summarize(sorted(targets))} of the given state_dict "
                                  "(pass strict=False to leave them as they are)")
-        self._decode(step, index, dests, tier)
+        try:
+            self._decode(step, index, dests, tier, repair if repair else None)
+        finally:
+            repair.close()
         numpy_leaves = {rec.index for rec in index.tensors if rec.is_numpy}
         try:
             return tree.decode(index.skeleton,
-                               lambda i: dests[i].numpy() if i in numpy_leaves else dests[i])
+                               lambda i: dests[i].numpy() if i in numpy_leaves else dests[i]), tier.name
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise FormatError(f"{tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
 
-    def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any) -> None:
+    def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any, repair: Any) -> None:
+        """Decode every tensor of `index` into `dests`; `repair` (a ChunkRepair, or None) stands in
+        for chunks that fail here, and for the whole data file when it is missing or truncated."""
         by_gpu: dict[int, list[tuple[TensorRecord, torch.Tensor]]] = {}
         on_cpu: list[tuple[TensorRecord, torch.Tensor]] = []
         for rec in index.tensors:
@@ -363,41 +436,109 @@ class Engine:
                 if rec.chunks:
                     raise FormatError(f"{tier.describe(step, index.data_file)}: chunks in an empty data file")
             return
-        host_reader = tier.open_data_reader(step, index.data_file, device=False)
+        host_reader = None
         try:
+            host_reader = tier.open_data_reader(step, index.data_file, device=False)
             if host_reader.size != index.data_bytes:
                 raise FormatError(f"{host_reader.path}: data file has {host_reader.size} bytes, the index says "
                                   f"{index.data_bytes} (truncated or replaced)")
+        except (TieredError, OSError) as exc:
+            if host_reader is not None:
+                host_reader.close()
+                host_reader = None
+            if repair is None:
+                raise
+            log.warning("tiered: step %d: %s; reading every chunk from the slower tiers", step, exc)
+            # Every tensor through the CPU path, its chunks supplied by the slower tiers.
+            on_cpu += [item for items in by_gpu.values() for item in items]
+            by_gpu = {}
+        try:
             for rec, dst in on_cpu:
                 if dst.device.type == "cpu" and dst.is_contiguous():
                     out = dst.reshape(-1).view(torch.uint8).numpy()
-                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size)
+                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size, repair)
                 else:
                     out = np.empty(rec.nbytes, dtype=np.uint8)
-                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size)
+                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size, repair)
                     dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
         finally:
-            host_reader.close()
+            if host_reader is not None:
+                host_reader.close()
+        if not by_gpu:
+            return
         from tiered.gpu import device_reader
 
         for dev, items in by_gpu.items():
             reader = device_reader(tier, step, index.data_file)
             try:
-                self._device(dev).restore(items, reader, index.chunk_size)
+                self._device(dev).restore(items, reader, index.chunk_size, repair)
             finally:
                 reader.close()
 
-    # --- internals -----------------------------------------------------------------------
-    def _gpu_decoder(self) -> Any:
-        """A GPU decoder for the migrator (ANS sources): a device object of its own, so its
-        streams never queue behind save()'s; None without GPU codecs."""
-        if not self._gpu_ready:
-            return None
-        from tiered.gpu import GpuDevice
-        from tiered.migrator import gpu_decoder
+    # --- codec: auto ----------------------------------------------------------------------
+    def _sample_for_codec(self, plan: SavePlan, handle: SaveHandle) -> None:
+        """Copy a sample of this save's chunks (GPU tensors when there are any: they decide the
+        codec; a few MiB, copied on the training stream after the snapshot) and decide the fast
+        tier's codec from it on a thread, once this save is durable (so the measurement neither
+        competes with it nor delays it)."""
+        from tiered.probe import sample_positions
 
-        return gpu_decoder(GpuDevice(torch.cuda.current_device(), self.config.chunk_size, self.config.budgets,
-                                     self.config.zstd, self._host))
+        gpu_index = next(iter(plan.gpu), None)
+        plans = plan.gpu[gpu_index] if gpu_index is not None else plan.cpu
+        picks = [(plans[t], j) for t, j in sample_positions([p.nbytes for p in plans], self.config.chunk_size)]
+        copies = []
+        for p, j in picks:
+            flat = p.tensor.reshape(-1).view(torch.uint8) if p.tensor.is_contiguous() else \
+                p.tensor.contiguous().reshape(-1).view(torch.uint8)
+            piece = flat[j * self.config.chunk_size:j * self.config.chunk_size + p.raw_size(j)]
+            copies.append((p.tensor.dtype, piece.clone() if piece.is_cuda else piece.numpy().copy()))
+        ready = None
+        if gpu_index is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(gpu_index))
+        self._decider = threading.Thread(target=self._decide_codec, args=(copies, ready, gpu_index, handle),
+                                         name="tiered-codec-policy", daemon=True)
+        self._decider.start()
+
+    def _decide_codec(self, copies: list[tuple[torch.dtype, Any]], ready: Any, gpu_index: int | None,
+                      handle: SaveHandle) -> None:
+        from tiered.config import CODEC_NAMES
+        from tiered.policy import choose_codec
+        from tiered.probe import Sample, measure, tier_bandwidth
+
+        cfg = self.config.fast_tier
+        try:
+            if handle.persisted.exception() is not None:
+                self._codec_sampled = False  # sample the next save instead
+                return
+            sample = Sample()
+            if ready is not None:
+                ready.synchronize()
+            for dtype, raw in copies:
+                sample.add(dtype, raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw)
+            gpu = None
+            if gpu_index is not None:
+                from tiered.gpu import GpuDevice
+
+                gpu = GpuDevice(gpu_index, self.config.chunk_size, self.config.budgets, self.config.zstd, self._host)
+            names = [n for n in CODEC_NAMES if gpu is not None or get_codec_class(n).cpu_capable]
+            samples = measure(sample, names, pool=self._pool, settings=self.config.zstd, gpu=gpu)
+            bandwidth = tier_bandwidth(cfg, self.tier)
+            # GPU saves: compression is the snapshot (encode, then write); CPU saves pipeline them.
+            choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=cfg.portable, overlap=gpu is None)
+        except Exception as exc:  # noqa: BLE001 - the policy is an optimisation: keep the usual codec
+            log.warning("tiered: codec: auto for tier %r: measuring failed (%r); keeping %s", cfg.name, exc,
+                        self._fast_codec)
+            return
+        from tiered.units import format_rate
+
+        log.info("tiered: tier %r codec: %s for the next saves (policy: tier writes %s; %s)", cfg.name, choice,
+                 format_rate(bandwidth), ", ".join(
+                     f"{x.name} {format_rate(x.throughput) if x.throughput < 1e14 else 'free'} "
+                     f"{100 * (1 - x.ratio):.1f}% saved" for x in samples))
+        self._fast_codec = choice
+
+    # --- internals -----------------------------------------------------------------------
 
     def _device(self, index: int):
         dev = self._devices.get(index)
@@ -435,8 +576,7 @@ class Engine:
                     if not job.aborted:  # an aborted save() already raised its own error
                         self._error = self._error or err
                     self._inflight.pop(job.step, None)
-                if not job.handle.staged.done():
-                    job.handle.staged.set_exception(err)
+                _settle(job.handle.staged, exc=err)
                 job.handle.persisted.set_exception(err)
                 continue
             with self._lock:
@@ -559,13 +699,24 @@ def _drain(job: _Job) -> None:
             seg.release()
 
 
+def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve `fut` unless already resolved (save() and the writer race to settle `staged`)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 def _complete_after(events: Sequence[Any], fut: Future) -> None:
     try:
         for ev in events:
             ev.synchronize()
-        fut.set_result(True)
+        _settle(fut, True)
     except BaseException as exc:  # noqa: BLE001
-        fut.set_exception(exc)
+        _settle(fut, exc=exc)
 
 
 def gpu_stack_available() -> bool:

@@ -244,13 +244,44 @@ class GpuDevice:
             out = torch.cat(sums).cpu().tolist()
         return [to_u64(x) for x in out]
 
-    # --- restore -----------------------------------------------------------------------
-    def restore(self, items: Sequence[tuple[TensorRecord, torch.Tensor]], reader: Any, chunk_size: int) -> None:
-        """Decode `items` (record, destination tensor) from `reader` into the destinations."""
-        with torch.cuda.device(self.index):
-            self._restore(items, reader, chunk_size)
+    # --- migration and measurement -----------------------------------------------------
+    def encode_chunks(self, chunks: Sequence[torch.Tensor], spec: Any) -> list[bytes]:
+        """Encode `chunks` (1-D uint8 tensors of at most chunk_size bytes, on the host or this
+        GPU) with `spec` on the GPU, each chunk independently as a save would; return each chunk's
+        stored bytes in host memory. Uses buffers of its own (at most pack_buffer of chunks at a
+        time), never the save slab, so it can run beside saves."""
+        codec = get_codec(spec, self.zstd)
+        cs = self.chunk_size
+        stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
+        per = max(1, min(len(chunks), self.budgets.pack_buffer // cs, 256))
+        out: list[bytes] = []
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            pack = torch.empty(per * cs, dtype=torch.uint8, device=self.device)
+            slab = torch.empty(per * stride, dtype=torch.uint8, device=self.device)
+            for w in range(0, len(chunks), per):
+                part = chunks[w:w + per]
+                for k, raw in enumerate(part):
+                    if raw.numel() > cs:
+                        raise ValueError(f"chunk of {raw.numel()} bytes exceeds chunk_size {cs}")
+                    codec.pack(pack[k * cs:k * cs + raw.numel()], raw.to(self.device, non_blocking=True), cs)
+                sizes = codec.encode_batch(self.stream, cs, pack, [k * cs for k in range(len(part))],
+                                           [raw.numel() for raw in part], slab,
+                                           [k * stride for k in range(len(part))], stride).sizes()
+                host = slab[:len(part) * stride].cpu().numpy()
+                out.extend(host[k * stride:k * stride + n].tobytes() for k, n in enumerate(sizes))
+        return out
 
-    def _restore(self, items, reader, chunk_size) -> None:
+    # --- restore -----------------------------------------------------------------------
+    def restore(self, items: Sequence[tuple[TensorRecord, torch.Tensor]], reader: Any, chunk_size: int,
+                repair: Callable[[TensorRecord, int, str], Any] | None = None) -> None:
+        """Decode `items` (record, destination tensor) from `reader` into the destinations.
+
+        `repair(rec, j, why)`, when given, supplies the raw bytes (host array) of a chunk whose
+        checksum fails here; else that raises."""
+        with torch.cuda.device(self.index):
+            self._restore(items, reader, chunk_size, repair)
+
+    def _restore(self, items, reader, chunk_size, repair) -> None:
         work: list[tuple[TensorRecord, torch.Tensor, torch.Tensor]] = []
         for rec, dst in items:
             direct = dst.is_cuda and dst.device.index == self.index and dst.is_contiguous()
@@ -266,13 +297,13 @@ class GpuDevice:
                 round_up(rec.chunks[j].raw_size, _PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
                 dtype=torch.uint8, device=self.device)
             for i, k in waves:
-                self._restore_wave(refs[i:k], reader, slab, stride, pack, chunk_size)
+                self._restore_wave(refs[i:k], reader, slab, stride, pack, chunk_size, repair)
         for rec, dst, tmp in work:
             if tmp is not dst:
                 dst.copy_(tmp)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def _restore_wave(self, refs, reader, slab, stride, pack, chunk_size) -> None:
+    def _restore_wave(self, refs, reader, slab, stride, pack, chunk_size, repair) -> None:
         n = len(refs)
         rows = slab[:n * stride].view(n, stride)
         with torch.cuda.stream(self.stream):
@@ -288,10 +319,15 @@ class GpuDevice:
                 words = round_up(max(rec.chunks[j].extent for rec, _, j in part), 4) // 4
                 sums.append(wsum64_rows_torch(rows[r:r + _CHECKSUM_ROWS], words))
             got = [to_u64(x) for x in torch.cat(sums).cpu().tolist()]
+        bad: dict[int, str] = {}
         for r, (rec, _, j) in enumerate(refs):
             c = rec.chunks[j]
             if got[r] != c.checksum:
-                raise chunk_corruption(reader.path, rec, j, f"stored {c.checksum:016x}, computed {got[r]:016x}")
+                err = chunk_corruption(reader.path, rec, j, f"stored {c.checksum:016x}, computed {got[r]:016x}")
+                if repair is None:
+                    raise err
+                bad[r] = str(err)
+        good = [r for r in range(n) if r not in bad]
         # One decode per codec spec, into chunk slots of the pack buffer; then unpack per tensor run.
         offsets, pos = [], 0
         for r, (rec, _, j) in enumerate(refs):
@@ -301,30 +337,38 @@ class GpuDevice:
             pos += rec.chunks[j].raw_size
         with torch.cuda.stream(self.stream):
             i = 0
-            while i < n:
-                spec = refs[i][0].codec
+            while i < len(good):
+                spec = refs[good[i]][0].codec
                 k = i
-                while k < n and refs[k][0].codec == spec:
+                while k < len(good) and refs[good[k]][0].codec == spec:
                     k += 1
+                batch = good[i:k]
                 codec = get_codec(spec, self.zstd)
                 try:
-                    codec.decode_batch(self.stream, chunk_size, slab, [r * stride for r in range(i, k)],
-                                       [refs[r][0].chunks[refs[r][2]].size for r in range(i, k)], pack,
-                                       offsets[i:k], [refs[r][0].chunks[refs[r][2]].raw_size for r in range(i, k)])
+                    codec.decode_batch(self.stream, chunk_size, slab, [r * stride for r in batch],
+                                       [refs[r][0].chunks[refs[r][2]].size for r in batch], pack,
+                                       [offsets[r] for r in batch], [refs[r][0].chunks[refs[r][2]].raw_size for r in batch])
                 except (ValueError, RuntimeError) as exc:
-                    rec, _, j = refs[i]
+                    rec, _, j = refs[batch[0]]
                     raise chunk_corruption(reader.path, rec, j, f"{spec.name} decode failed: {exc}") from None
                 i = k
-            r = 0
-            while r < n:
+            x = 0
+            while x < len(good):
+                r = good[x]
                 rec, tmp, j0 = refs[r]
-                k = r
-                while k + 1 < n and refs[k + 1][0] is rec and refs[k + 1][2] == refs[k][2] + 1:
-                    k += 1
-                lo, hi = j0 * chunk_size, j0 * chunk_size + sum(rec.chunks[refs[x][2]].raw_size for x in range(r, k + 1))
+                y = x
+                while y + 1 < len(good) and good[y + 1] == good[y] + 1 and refs[good[y + 1]][0] is rec \
+                        and refs[good[y + 1]][2] == refs[good[y]][2] + 1:
+                    y += 1
+                lo = j0 * chunk_size
+                hi = lo + sum(rec.chunks[refs[good[z]][2]].raw_size for z in range(x, y + 1))
                 get_codec(rec.codec, self.zstd).unpack(_bytes_of(tmp)[lo:hi], pack[offsets[r]:offsets[r] + hi - lo],
                                                        chunk_size)
-                r = k + 1
+                x = y + 1
+            for r, why in bad.items():
+                rec, tmp, j = refs[r]
+                raw = torch.from_numpy(repair(rec, j, why))
+                _bytes_of(tmp)[j * chunk_size:j * chunk_size + raw.numel()].copy_(raw)
         self.stream.synchronize()
 
 

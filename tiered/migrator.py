@@ -18,9 +18,12 @@ are deterministic, so a restarted migration produces byte-identical files.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -29,32 +32,37 @@ import torch
 
 from tiered import checksum
 from tiered.codecs import get_codec, get_codec_class
-from tiered.config import ZstdSettings
+from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
 from tiered.cpu import decode_into, pad_extent, read_windows, stored_extent, verified
 from tiered.errors import CodecUnavailableError, TieredError
 from tiered.format import ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
-from tiered.units import format_size
+from tiered.policy import choose_codec, evictable
+from tiered.probe import SAMPLE_CHUNKS, Sample, measure, sample_positions, tier_bandwidth
+from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
 _WINDOW = 64  # chunks per ranged read: bounds memory whatever the tensor's size
 
 
-def target_spec(rec: TensorRecord, codec: str) -> CodecSpec:
-    """Keep a tensor's chunks when the target tier takes their codec; else the tier's codec."""
-    if rec.codec.name == codec:
+def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
+    """Keep a tensor's chunks when the target tier takes their codec (or `codec` is None);
+    else the tier's codec."""
+    if codec is None or rec.codec.name == codec:
         return rec.codec
     return get_codec_class(codec).spec_for(rec.torch_dtype)
 
 
-def migrate_step(step: int, src: Any, dst: Any, *, codec: str, settings: ZstdSettings = ZstdSettings(),
-                 pool: ThreadPoolExecutor | None = None, gpu_decode: Callable[..., Any] | None = None,
+def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: ZstdSettings = ZstdSettings(),
+                 pool: ThreadPoolExecutor | None = None, gpu: "GpuRecoder | None" = None,
                  progress: Callable[[int], None] | None = None) -> Manifest | None:
-    """Copy committed `step` from tier `src` to tier `dst`, storing chunks with `codec` there.
+    """Copy committed `step` from tier `src` to tier `dst`, storing chunks with `codec` there
+    (None: every tensor keeps its codec; the chunks are copied as they are).
 
     Returns the new manifest, or None when `dst` already has the step.
-    `gpu_decode(src, step, index, rec)` returns a tensor's raw bytes as a uint8 numpy array (see
-    `gpu_decoder`); it is needed only for codecs without a CPU decoder (ans).
-    `progress(n)` is called with the raw bytes of each tensor done.
+    `gpu` (a GpuRecoder) decodes codecs without a CPU decoder (ans) and encodes GPU-capable
+    target codecs on the GPU; without it everything runs on the CPU, and an ANS source that must
+    be recompressed is an error.
+    `progress(n)` is called with the raw bytes of each window of chunks done.
     """
     if dst.has_step(step):
         return None
@@ -66,7 +74,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str, settings: ZstdSet
     try:
         ranks, stored = [], 0
         for entry, index in zip(manifest.ranks, indexes):
-            new_index = _copy_rank(step, src, dst, index, codec, settings, pool, gpu_decode, progress)
+            new_index = _copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
             raw_index = new_index.to_json()
             dst.write_file(step, entry.index_file, raw_index)
             stored += sum(t.stored_bytes for t in new_index.tensors)
@@ -87,7 +95,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str, settings: ZstdSet
     return new_manifest
 
 
-def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu_decode, progress) -> RankIndex:
+def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
     reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
     writer = dst.open_data_writer(step, index.data_file, device=False)
     end = 0
@@ -97,16 +105,13 @@ def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu_deco
         for rec in sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1):
             spec = target_spec(rec, codec)
             chunks = []
-            decode = (lambda r: gpu_decode(src, step, index, r)) if gpu_decode else None
-            for stored, padded_crc in _tensor_chunks(rec, spec, reader, index.chunk_size, settings, pool, decode):
-                padded, size, crc = padded_crc
+            for stored, (padded, size, crc) in _tensor_chunks(step, src, index, rec, spec, reader, settings, pool,
+                                                               gpu, progress):
                 chunks.append(ChunkRecord(end, size, stored.raw_size, crc))
                 writer.write_host(end, padded)
                 end += len(padded)
             records.append(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape,
                                         device=rec.device, is_numpy=rec.is_numpy, codec=spec, chunks=tuple(chunks)))
-            if progress:
-                progress(rec.nbytes)
         data_bytes = writer.close()
     except BaseException:
         writer.abort()
@@ -118,28 +123,39 @@ def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu_deco
                      skeleton=index.skeleton, tensors=tuple(records), io=getattr(writer, "io_mode", ""))
 
 
-def _tensor_chunks(rec: TensorRecord, spec: CodecSpec, reader, chunk_size: int, settings: ZstdSettings,
-                   pool: ThreadPoolExecutor, gpu_decode):
+def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings: ZstdSettings,
+                   pool: ThreadPoolExecutor, gpu: "GpuRecoder | None", progress):
     """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order."""
     if not rec.chunks:
         return
+    chunk_size = index.chunk_size
     keep = spec == rec.codec
-    src_codec = get_codec(rec.codec, settings)
-    if not keep and not src_codec.cpu_capable:
-        if gpu_decode is None:
-            raise CodecUnavailableError(
-                f"{reader.path}: tensor {rec.name!r} is stored with {rec.codec.name!r}, which needs a GPU with "
-                "nvCOMP to decode: run the migration on a GPU machine")
-        raw_all = gpu_decode(rec)  # verified by the GPU decoder's checksums
-        dst_codec = get_codec(spec, settings)
+    src_codec, dst_cls = get_codec(rec.codec, settings), get_codec_class(spec.name)
+    on_gpu = not keep and gpu is not None and (dst_cls.gpu_capable or not src_codec.cpu_capable)
+    if not keep and not src_codec.cpu_capable and gpu is None:
+        raise CodecUnavailableError(
+            f"{reader.path}: tensor {rec.name!r} is stored with {rec.codec.name!r}, which needs a GPU with "
+            "nvCOMP to decode: run the migration on a GPU machine")
+    if not keep and not dst_cls.cpu_capable and gpu is None:
+        raise CodecUnavailableError(f"codec {spec.name!r} encodes on a GPU only: run the migration on a GPU machine")
+    if on_gpu:
+        # Whole tensor on the GPU: decoded there (verified by checksums), re-encoded there when the
+        # target codec runs on the GPU, else on the CPU pool.
+        raw = gpu.decode(src, step, index, rec)
+        bounds = [(j * chunk_size, j * chunk_size + c.raw_size) for j, c in enumerate(rec.chunks)]
         for w in range(0, len(rec.chunks), _WINDOW):
             idx = range(w, min(w + _WINDOW, len(rec.chunks)))
-
-            def encode(j: int):
-                return stored_extent(dst_codec.encode_chunk(
-                    memoryview(raw_all[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size])))
-
-            yield from zip((rec.chunks[j] for j in idx), pool.map(encode, idx))
+            if dst_cls.gpu_capable:
+                encoded = [stored_extent(b) for b in gpu.encode_chunks([raw[slice(*bounds[j])] for j in idx], spec)]
+            else:
+                host = raw[bounds[idx[0]][0]:bounds[idx[-1]][1]].cpu().numpy()
+                base = bounds[idx[0]][0]
+                codec = get_codec(spec, settings)
+                encoded = list(pool.map(lambda j: stored_extent(codec.encode_chunk(
+                    memoryview(host[bounds[j][0] - base:bounds[j][1] - base]))), idx))
+            yield from zip((rec.chunks[j] for j in idx), encoded)
+            if progress:
+                progress(sum(rec.chunks[j].raw_size for j in idx))
         return
     dst_codec = get_codec(spec, settings)
     for window, data, base in read_windows(rec, reader):
@@ -152,51 +168,232 @@ def _tensor_chunks(rec: TensorRecord, spec: CodecSpec, reader, chunk_size: int, 
             return stored_extent(dst_codec.encode_chunk(memoryview(raw)))
 
         yield from zip((rec.chunks[j] for j in window), pool.map(one, window))
+        if progress:
+            progress(sum(rec.chunks[j].raw_size for j in window))
 
 
-def gpu_decoder(device: Any) -> Callable[..., np.ndarray]:
-    """A `gpu_decode` for migrate_step: decodes one tensor on `device` (a tiered.gpu.GpuDevice),
-    reading through KvikIO where the source tier reads into GPU memory, through host memory
-    otherwise. Holds the whole tensor on the GPU and then on the host while it is re-encoded."""
-    from tiered.gpu import device_reader
+class GpuRecoder:
+    """The GPU side of migration (and of codec sampling), on a GpuDevice of its own so its work
+    never queues behind a save's: decodes stored tensors (reading through KvikIO where the tier
+    reads into GPU memory) and encodes chunks with GPU codecs. Holds one tensor on the GPU at a time."""
 
-    def decode(src: Any, step: int, index: RankIndex, rec: TensorRecord) -> np.ndarray:
+    def __init__(self, device: Any):
+        self.device = device
+
+    def decode(self, src: Any, step: int, index: RankIndex, rec: TensorRecord) -> torch.Tensor:
+        """Tensor `rec` of `step` as raw bytes (1-D uint8) on the GPU."""
+        from tiered.gpu import device_reader
+
         reader = device_reader(src, step, index.data_file)
         try:
-            tmp = torch.empty(rec.shape, dtype=rec.torch_dtype, device=device.device)
-            device.restore([(rec, tmp)], reader, index.chunk_size)
+            tmp = torch.empty(rec.shape, dtype=rec.torch_dtype, device=self.device.device)
+            self.device.restore([(rec, tmp)], reader, index.chunk_size)
         finally:
             reader.close()
-        return tmp.reshape(-1).view(torch.uint8).cpu().numpy()
+        return tmp.reshape(-1).view(torch.uint8)
 
-    return decode
+    def decode_chunks(self, src: Any, step: int, index: RankIndex, picks: list[tuple[TensorRecord, int]]) -> list[np.ndarray]:
+        """Single chunks (tensor record, chunk number), decoded on the GPU, as host arrays."""
+        from tiered.gpu import device_reader
+
+        items = []
+        for rec, j in picks:
+            c = rec.chunks[j]
+            one = replace(rec, shape=(c.raw_size // torch.empty((), dtype=rec.torch_dtype).element_size(),),
+                          chunks=(c,))
+            items.append((one, torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)))
+        reader = device_reader(src, step, index.data_file)
+        try:
+            self.device.restore(items, reader, index.chunk_size)
+        finally:
+            reader.close()
+        return [t.reshape(-1).view(torch.uint8).cpu().numpy() for _, t in items]
+
+    def encode_chunks(self, chunks: list[torch.Tensor], spec: CodecSpec) -> list[bytes]:
+        return self.device.encode_chunks(chunks, spec)
+
+
+def make_gpu_recoder(config: Any) -> GpuRecoder | None:
+    """A GpuRecoder on the current CUDA device with migration-sized buffers (at most 512 MiB of
+    slab and 128 MiB of pack buffer, beside whatever training holds), or None without GPU codecs."""
+    from tiered.engine import gpu_stack_available
+
+    if not gpu_stack_available():
+        return None
+    from tiered.config import Budgets
+    from tiered.gpu import GpuDevice
+    from tiered.staging import HostPool
+
+    b = config.budgets
+    budgets = Budgets(gpu_buffer=min(b.gpu_buffer, 512 << 20), pack_buffer=min(b.pack_buffer, 128 << 20),
+                      host_buffer=b.host_buffer)
+    return GpuRecoder(GpuDevice(torch.cuda.current_device(), config.chunk_size, budgets, config.zstd,
+                                HostPool(64 << 20, page=4096)))
+
+
+def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, settings: ZstdSettings,
+                      pool: ThreadPoolExecutor, gpu: GpuRecoder | None) -> str:
+    """The codec `step` gets on tier `dst`: the configured one, or (codec: auto) the policy's
+    choice from the tier's bandwidth and the candidate codecs measured on a sample of this
+    step's own chunks (kept chunks cost no encode time)."""
+    if dst_config.codec != AUTO:
+        return dst_config.codec
+    manifest, indexes = read_step(src, step)
+    sample = Sample()
+    for index in indexes:
+        recs = [r for r in index.tensors if r.chunks]
+        picks = [(recs[t], j) for t, j in sample_positions([r.nbytes for r in recs], index.chunk_size,
+                                                            max(1, SAMPLE_CHUNKS // len(indexes)))]
+        if not picks:
+            continue
+        cpu_picks = [p for p in picks if get_codec_class(p[0].codec.name).cpu_capable]
+        gpu_picks = [p for p in picks if p not in cpu_picks]
+        if gpu_picks and gpu is None:
+            gpu_picks = []  # cannot decode them here; the sample is what the CPU can read
+        reader = src.open_data_reader(step, index.data_file, device=False)
+        try:
+            for rec, j in cpu_picks:
+                c = rec.chunks[j]
+                stored = verified(rec, j, reader.read_host(c.offset, c.extent), c.offset, reader.path)
+                raw = np.empty(c.raw_size, dtype=np.uint8)
+                decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
+                sample.add(rec.torch_dtype, raw, (rec.codec.name, c.size))
+        finally:
+            reader.close()
+        if gpu_picks:
+            for (rec, j), raw in zip(gpu_picks, gpu.decode_chunks(src, step, index, gpu_picks)):
+                sample.add(rec.torch_dtype, raw, (rec.codec.name, rec.chunks[j].size))
+    if not sample.chunks:
+        return "none" if not manifest.raw_bytes else next(iter(CPU_DECODABLE_CODECS))
+    names = [n for n in CODEC_NAMES if (get_codec_class(n).cpu_capable or gpu is not None
+                                        or any(s and s[0] == n for s in sample.stored))]
+    samples = measure(sample, names, pool=pool, settings=settings, gpu=gpu)
+    bandwidth = tier_bandwidth(dst_config, dst)
+    choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=dst_config.portable, overlap=True)
+    log.info("tiered: step %d on tier %r: codec %s (policy; tier %s; %s)", step, dst_config.name, choice,
+             format_rate(bandwidth), ", ".join(f"{s.name} {format_rate(s.throughput) if s.throughput < 1e14 else 'copy'}"
+                                              f" {100 * (1 - s.ratio):.1f}% saved" for s in samples))
+    return choice
+
+
+def apply_retention(config: Any, get_tier: Callable[[str], Any], *, dry_run: bool = False) -> dict[str, list[int]]:
+    """Delete, per tier, the steps its `keep_last` / `keep_every` rules let go and that a slower
+    tier holds committed (`tiered.policy.evictable`). Returns {tier: steps deleted (or, with
+    `dry_run`, that would be)}. Tiers without rules are only listed, never changed."""
+    order = [t.name for t in config.tiers]
+    committed = {t.name: set(get_tier(t.name).steps()) for t in config.tiers}
+    out: dict[str, list[int]] = {}
+    for t in config.tiers:
+        if not t.retention:
+            continue
+        doomed = sorted(evictable(t.name, committed, order, keep_last=t.keep_last, keep_every=t.keep_every))
+        if doomed:
+            out[t.name] = doomed
+        if dry_run:
+            continue
+        tier = get_tier(t.name)
+        for step in doomed:
+            tier.delete(step)
+            committed[t.name].discard(step)
+            log.info("tiered: retention: deleted step %d from tier %r (kept on a slower tier)", step, t.name)
+    return out
+
+
+def pending_steps(config: Any, get_tier: Callable[[str], Any]) -> list[int]:
+    """Committed steps that some tier below the fastest tier holding them still lacks."""
+    held = [set(get_tier(t.name).steps()) for t in config.tiers]
+    out = []
+    for step in sorted(set().union(*held)):
+        first = next(i for i, steps in enumerate(held) if step in steps)
+        if any(step not in steps for steps in held[first + 1:]):
+            out.append(step)
+    return out
+
+
+def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool: ThreadPoolExecutor,
+                 gpu: GpuRecoder | None, progress: Callable[[int], None] | None = None) -> int:
+    """Copy `step` down every hop it is missing from (each tier from the one above it, so it is
+    recompressed once, where the codec changes). Returns the number of copies made."""
+    made = 0
+    by_name = {t.name: t for t in config.tiers}
+    names = [t.name for t in config.tiers]
+    for upper, lower in zip(names, names[1:]):
+        src, dst = get_tier(upper), get_tier(lower)
+        if dst.has_step(step) or not src.has_step(step):
+            continue
+        codec = choose_tier_codec(step, src, by_name[lower], dst, settings=config.zstd, pool=pool, gpu=gpu)
+        if migrate_step(step, src, dst, codec=codec, settings=config.zstd, pool=pool, gpu=gpu,
+                        progress=progress) is not None:
+            made += 1
+    return made
+
+
+class MigrationLock:
+    """One migrator per fast tier at a time (the in-process thread or a `tiered migrate` daemon):
+    an flock on ``<fast tier>/.tiered-migrate.lock``, released when its holder exits, even by SIGKILL."""
+
+    def __init__(self, root: Path):
+        self.path = Path(root) / ".tiered-migrate.lock"
+        self._fd = -1
+
+    def acquire(self, blocking: bool = False) -> bool:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "?"
+        except OSError:
+            return "?"
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class BackgroundMigrator:
     """Copies each committed step down the tiers on a thread of its own, one hop at a time (each
-    tier from the one above it, so a step is recompressed once, where the codec changes).
+    tier from the one above it, so a step is recompressed once, where the codec changes), then
+    applies the tiers' retention rules.
 
     Call order: ``submit(step)`` after each commit; ``wait(timeout)`` to block until queued steps
     are everywhere (raises the first failure since the last call); ``stop()`` finishes the queue
-    and ends the thread. On start it queues committed steps that an earlier run left unmigrated.
-    A failed migration leaves the step on the faster tiers: nothing committed is ever lost.
+    and ends the thread. On start it takes the fast tier's migration lock (when a `tiered migrate`
+    daemon holds it, this thread leaves migration to the daemon) and queues committed steps that
+    an earlier run left unmigrated. A failed migration leaves the step on the faster tiers:
+    nothing committed is ever lost.
     """
 
     def __init__(self, config: Any, get_tier: Callable[[str], Any], pool: ThreadPoolExecutor,
-                 make_gpu_decode: Callable[[], Any]):
+                 make_gpu: Callable[[], "GpuRecoder | None"]):
         self._config, self._get_tier, self._pool = config, get_tier, pool
-        self._make_gpu_decode = make_gpu_decode
+        self._make_gpu = make_gpu
         self._queue: "queue.Queue[int | None]" = queue.Queue()
         self._pending: set[int] = set()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._scanned = threading.Event()
+        self._migration_lock = MigrationLock(config.fast_tier.path)
+        self.active = True
+        """False when another process (a `tiered migrate` daemon) migrates this fast tier."""
         self._thread = threading.Thread(target=self._run, name="tiered-migrator", daemon=True)
         self._thread.start()
 
     def submit(self, step: int) -> None:
         with self._lock:
-            if step in self._pending:
+            if step in self._pending or not self.active:
                 return
             self._pending.add(step)
         self._queue.put(step)
@@ -219,32 +416,36 @@ class BackgroundMigrator:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        self._migration_lock.release()
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
             self._error = self._error or exc
 
     def _run(self) -> None:
-        tiers = self._config.tiers
-        try:  # resume: steps an earlier run committed but did not finish migrating
-            lowest = set(self._get_tier(tiers[-1].name).steps())
-            for step in self._get_tier(tiers[0].name).steps():
-                if step not in lowest:
-                    log.info("tiered: resuming migration of step %d", step)
-                    self.submit(step)
+        try:
+            if not self._migration_lock.acquire():
+                log.warning("tiered: another migrator (pid %s) holds %s: this process leaves migration to it",
+                            self._migration_lock.holder(), self._migration_lock.path)
+                with self._lock:
+                    self.active = False
+                    self._pending.clear()
+                return
+            for step in pending_steps(self._config, self._get_tier):  # an earlier run's unfinished work
+                log.info("tiered: resuming migration of step %d", step)
+                self.submit(step)
         except Exception as exc:  # noqa: BLE001 - e.g. S3 unreachable now; new steps still queue
             log.error("tiered: cannot list the tiers to resume migrations: %r", exc)
             self._fail(exc)
         finally:
             self._scanned.set()
-        gpu_decode = None
+        gpu: Any = False
         while (step := self._queue.get()) is not None:
             try:
-                for upper, lower in zip(tiers, tiers[1:]):
-                    if gpu_decode is None:
-                        gpu_decode = self._make_gpu_decode()
-                    migrate_step(step, self._get_tier(upper.name), self._get_tier(lower.name), codec=lower.codec,
-                                 settings=self._config.zstd, pool=self._pool, gpu_decode=gpu_decode)
+                if gpu is False:
+                    gpu = self._make_gpu()
+                migrate_down(step, self._config, self._get_tier, pool=self._pool, gpu=gpu)
+                apply_retention(self._config, self._get_tier)
             except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
                 log.error("tiered: migration of step %d failed (it stays on the faster tiers): %r", step, exc)
                 self._fail(exc)

@@ -22,18 +22,26 @@ class CodecSample:
     cpu_decodable: bool
 
 
-def time_to_durable(raw_bytes: float, sample: CodecSample, bandwidth: float) -> float:
+TIE = 0.05
+"""Durable times within 5% of the best count as a tie (below what a sample measures reliably);
+the smallest output among the tied codecs wins."""
+
+
+def time_to_durable(raw_bytes: float, sample: CodecSample, bandwidth: float, *, overlap: bool = True) -> float:
     """Seconds until `raw_bytes` are stored with `sample`'s codec on a tier of `bandwidth` B/s.
 
-    Encoding and writing are pipelined chunk by chunk, so the slower of the two stages bounds
-    the time (plus the first chunk's encode, negligible at 1 MiB chunks).
+    `overlap`: encoding and writing are pipelined chunk by chunk (migrations, CPU saves), so the
+    slower stage bounds the time. Without it the encode comes first and adds: the GPU snapshot on
+    the fast tier, where training waits for compression (all but the last pack buffer of it).
     """
-    return max(raw_bytes / sample.throughput, raw_bytes * sample.ratio / bandwidth)
+    encode, write = raw_bytes / sample.throughput, raw_bytes * sample.ratio / bandwidth
+    return max(encode, write) if overlap else encode + write
 
 
 def choose_codec(*, bandwidth: float, samples: Sequence[CodecSample], portable: bool = False,
-                 pinned: str | None = None, raw_bytes: float = 1e9) -> str:
-    """The codec that makes a checkpoint durable soonest on a tier; ties go to the smaller output.
+                 pinned: str | None = None, raw_bytes: float = 1e9, overlap: bool = True) -> str:
+    """The codec that makes a checkpoint durable soonest on a tier; near-ties (`TIE`) go to the
+    smaller output.
 
     `pinned` (the tier's configured codec) wins; `portable` tiers only get codecs a CPU decodes.
     """
@@ -45,7 +53,10 @@ def choose_codec(*, bandwidth: float, samples: Sequence[CodecSample], portable: 
         return pinned
     if not allowed:
         raise ValueError("no codec is available for this tier")
-    return min(allowed, key=lambda s: (round(time_to_durable(raw_bytes, s, bandwidth), 6), s.ratio)).name
+    times = {s.name: time_to_durable(raw_bytes, s, bandwidth, overlap=overlap) for s in allowed}
+    best = min(times.values())
+    tied = [s for s in allowed if times[s.name] <= best * (1 + TIE)]
+    return min(tied, key=lambda s: (s.ratio, times[s.name])).name
 
 
 def keep_by_rules(steps: Sequence[int], *, keep_last: int | None, keep_every: int | None) -> set[int]:

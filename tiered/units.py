@@ -55,5 +55,9 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_rate(bytes_per_s: float) -> str:
+    return f"{format_size(bytes_per_s)}/s"
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

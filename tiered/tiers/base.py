@@ -10,6 +10,7 @@ step without one does not exist for any reader):
     tier.write_file(step, index_name, bytes)      # per rank: index, durable before the manifest
     tier.commit(step, manifest_bytes)             # atomic: rename (filesystems) or last object (S3)
     tier.discard(step)                            # instead of commit, after a failure
+    tier.delete(step)                             # retention: uncommit (manifest first), then remove
 
 Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
 ``open_data_reader`` take names validated by tiered.format (plain names inside the step).
@@ -67,6 +68,12 @@ class Tier(Protocol):
 
     def discard(self, step: int) -> None:
         """Remove an uncommitted step's files after a failed save; never touches a committed step."""
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step (retention): the manifest first, then the files."""
+
+    def probe_bandwidth(self, nbytes: int) -> float:
+        """Bytes/s of writing `nbytes` as a data file is written, to a scratch file removed after."""
 
     def open_data_writer(self, step: int, name: str, device: bool) -> DataWriter: ...
 

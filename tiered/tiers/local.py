@@ -290,6 +290,40 @@ class LocalTier:
         if d.is_dir() and not (d / MANIFEST_NAME).exists():
             shutil.rmtree(d, ignore_errors=True)
 
+    def delete(self, step: int) -> None:
+        """Delete a committed step: the manifest goes first (readers stop seeing the step at once,
+        and a crash part-way leaves only uncommitted debris), then the rest."""
+        d = self.step_dir(step)
+        try:
+            (d / MANIFEST_NAME).unlink()
+        except FileNotFoundError:
+            pass
+        else:
+            fsync_dir(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def probe_bandwidth(self, nbytes: int) -> float:
+        """Write `nbytes` to a scratch file the way a data file is written (host buffers, O_DIRECT
+        per `direct_io`, fsync) and return the bytes/s seen; the file is removed."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f".tiered-probe-{os.getpid()}"
+        block = AlignedBuffer(min(nbytes, 16 << 20))
+        block.view[:] = os.urandom(block.size)
+        try:
+            t0 = time.perf_counter()
+            writer = LocalDataWriter(path, self.direct_io, device=False)
+            try:
+                for offset in range(0, nbytes, block.size):
+                    writer.write_host(offset, block.view)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            return nbytes / max(time.perf_counter() - t0, 1e-9)
+        finally:
+            block.close()
+            path.unlink(missing_ok=True)
+
     def open_data_writer(self, step: int, name: str, device: bool) -> LocalDataWriter:
         return LocalDataWriter(self.step_dir(step) / name, self.direct_io, device)
 

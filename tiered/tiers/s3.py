@@ -12,7 +12,9 @@ YAML, logged or stored. boto3 is imported on first use.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -255,6 +257,35 @@ class S3Tier:
     def discard(self, step: int) -> None:
         if not self.has_step(step):
             self._remove(step)
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step: the manifest object first (the step is gone for readers at
+        once; a crash part-way leaves only uncommitted objects), then the rest."""
+        key = self._key(step, MANIFEST_NAME)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001
+            raise _client_error(exc, f"{self.url(key)}: cannot delete") from None
+        self._remove(step)
+
+    def probe_bandwidth(self, nbytes: int) -> float:
+        """Upload `nbytes` to a scratch object as a data file is uploaded (parallel multipart)
+        and return the bytes/s seen; the object is deleted."""
+        key = "/".join(p for p in (self.prefix, f".tiered-probe-{os.getpid()}") if p)
+        block = memoryview(os.urandom(min(nbytes, 16 << 20)))
+        t0 = time.perf_counter()
+        writer = S3DataWriter(self, key)
+        try:
+            for offset in range(0, nbytes, len(block)):
+                writer.write_host(offset, block)
+            writer.close()
+            return nbytes / max(time.perf_counter() - t0, 1e-9)
+        finally:
+            writer.abort()
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+            except Exception:  # noqa: BLE001 - a stray probe object is harmless
+                pass
 
     def open_data_writer(self, step: int, name: str, device: bool) -> S3DataWriter:
         if device:
