@@ -55,12 +55,11 @@ def s3_server(tmp_path_factory):
         # Explicit opt-out for machines without the S3 test server (the lent GPU machines);
         # CI never sets it, so a missing server fails there instead of skipping.
         pytest.skip("TIERED_SKIP_S3=1: S3 tests skipped on this machine")
-    import s3server
+    from tiered.testing import start_s3
 
-    server = s3server.start(tmp_path_factory.mktemp("seaweedfs"))
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED")}
-    os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key,
-                      AWS_EC2_METADATA_DISABLED="true")
+    server = start_s3(tmp_path_factory.mktemp("seaweedfs"))
+    saved = {k: os.environ.get(k) for k in server.aws_env()}
+    os.environ.update(server.aws_env())
     yield server
     server.stop()
     for k, v in saved.items():

@@ -93,3 +93,17 @@ def trained_model(device: str, steps: int = 3, seed: int = 0):
         loss.backward()
         opt.step()
     return model, opt
+
+
+def fixture_state() -> dict:
+    """A deterministic optimizer-like state, generated on the CPU (the same bits on any machine):
+    what scripts/make_gpu_fixture.py saves from a GPU and tests/data/gpu-migrated holds."""
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(100_000, generator=g)
+    return {
+        "model": {"w": w, "emb": torch.randn(100_000, generator=g).to(torch.bfloat16)},
+        "optim": {"exp_avg": torch.randn(100_000, generator=g) * 1e-3,
+                  "exp_avg_sq": torch.rand(100_000, generator=g) ** 2 * 1e-6,
+                  "step": torch.tensor(1234, dtype=torch.int64)},
+        "meta": {"epoch": 3, "name": "fixture"},
+    }

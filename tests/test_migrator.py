@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from helpers import assert_same, mixed_state, trained_model
 def cluster(tmp_path: Path, codec: str, s3=None, bucket=None, migration: str = "external") -> dict:
     """nvme -> shared [-> s3]; `external` migration unless a test wants the engine's own."""
     tiers = [{"name": "nvme", "kind": "local", "path": str(tmp_path / "nvme"), "codec": codec},
-             {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared")}]
+             {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared"), "codec": "zstd"}]
     if s3 is not None:
         tiers.append({"name": "s3", "kind": "s3", "bucket": bucket, "prefix": "run-1",
                       "endpoint_url": s3.endpoint_url, "region": "us-east-1"})
@@ -221,3 +222,94 @@ def test_background_migration_of_ans_steps(tmp_path):
         assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
         on_cpu = engine.load(2, tier="shared", device="cpu")
     assert_same({k: v.cpu() for k, v in state["model"].items()}, dict(on_cpu["model"]))
+
+
+def _daemon(config: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tiered.cli", "migrate", "--config", str(config), "-q", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_daemon_killed_mid_copy_restarts_and_finishes_byte_identical(tmp_path, s3_server, s3_bucket):
+    import yaml
+
+    cfg = cluster(tmp_path, "none", s3_server, s3_bucket)
+    for t in cfg["tiers"][1:]:
+        t["codec"] = "zstd"  # pinned: the restarted run must make the very same choice
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    state = {f"t{i}": torch.randn(4_000_000) for i in range(8)}  # 128 MB: recompressing takes a while
+    with tiered.Engine.from_config(config) as engine:
+        engine.save(7, state).wait()
+    proc = _daemon(config)
+    data = tmp_path / "shared" / "step_000000000007" / "rank_00000.data"
+    manifest = data.parent / "MANIFEST.json"
+    deadline = time.monotonic() + 120
+    while not (data.exists() and data.stat().st_size > 0 and not manifest.exists()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)  # mid-copy: part of the data file is written, nothing committed
+    proc.wait(30)
+    with tiered.Engine.from_config(config) as engine:
+        assert engine.steps("shared") == [] and engine.steps("s3") == [], "a killed copy commits nothing"
+    # Restarted as a daemon: it finishes step 7, then picks up a step saved while it runs.
+    proc = _daemon(config, "--follow", "--interval", "0.2")
+    try:
+        with tiered.Engine.from_config(config) as engine:
+            engine.save(8, {"w": torch.randn(1000)}).wait()
+            deadline = time.monotonic() + 300
+            while engine.steps("s3") != [7, 8]:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
+    # Byte-identical to uninterrupted copies of the same step.
+    from tiered.tiers import PosixTier
+
+    with tiered.Engine.from_config(config) as engine:
+        other = PosixTier("other", tmp_path / "other")
+        migrate_step(7, engine.get_tier("nvme"), other, codec="zstd")
+        assert files_of(tmp_path / "shared" / "step_000000000007") == files_of(tmp_path / "other" / "step_000000000007")
+        from tiered.tiers.s3 import S3Tier
+
+        s3 = engine.get_tier("s3")
+        clean = S3Tier("clean", s3.bucket, "clean", endpoint_url=s3_server.endpoint_url, region="us-east-1")
+        migrate_step(7, other, clean, codec="zstd")
+
+        def objects(prefix):
+            listing = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix=f"{prefix}/step_000000000007/")["Contents"]
+            return {o["Key"].rsplit("/", 1)[1]: s3.client.get_object(Bucket=s3.bucket, Key=o["Key"])["Body"].read()
+                    for o in listing}
+
+        got = objects("run-1")
+        assert sorted(got) == ["MANIFEST.json", "rank_00000.data", "rank_00000.index.json"]
+        assert got == objects("clean")
+        assert_same(state, engine.load(7, tier="s3"))
+
+
+GPU_MIGRATED = Path(__file__).resolve().parent / "data" / "gpu-migrated"
+
+
+def test_gpu_made_s3_copy_restores_without_a_gpu(tmp_path, s3_server, s3_bucket):
+    """tests/data/gpu-migrated holds a step saved on a GPU (ANS) and migrated there to zstd on the
+    GPU (scripts/make_gpu_fixture.py; see its PROVENANCE.json). Uploaded to S3 byte for byte, it
+    restores on this machine, which has no GPU codecs."""
+    import json
+
+    from helpers import fixture_state
+    from tiered.tiers import PosixTier
+
+    provenance = json.loads((GPU_MIGRATED / "PROVENANCE.json").read_text())
+    assert provenance["fast_tier_codecs"] == ["ans", "zstd"] and "kvikio" in provenance["fast_tier_io"]
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "local")},
+                     {"name": "s3", "kind": "s3", "bucket": s3_bucket, "endpoint_url": s3_server.endpoint_url,
+                      "region": "us-east-1"}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        s3 = engine.get_tier("s3")
+        migrate_step(1, PosixTier("gpu", GPU_MIGRATED), s3, codec=None)  # a plain copy of the GPU's bytes
+        data = s3.client.get_object(Bucket=s3_bucket, Key="step_000000000001/rank_00000.data")["Body"].read()
+        assert data == (GPU_MIGRATED / "step_000000000001" / "rank_00000.data").read_bytes()
+        assert engine.steps() == [1] and engine.steps("local") == []
+        restored = engine.load(1, device="cpu")
+    assert_same(fixture_state(), restored)

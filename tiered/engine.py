@@ -454,6 +454,8 @@ class Engine:
             by_gpu = {}
         try:
             for rec, dst in on_cpu:
+                if not rec.nbytes:
+                    continue
                 if dst.device.type == "cpu" and dst.is_contiguous():
                     out = dst.reshape(-1).view(torch.uint8).numpy()
                     cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size, repair)
@@ -515,7 +517,7 @@ class Engine:
             if ready is not None:
                 ready.synchronize()
             for dtype, raw in copies:
-                sample.add(dtype, raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw)
+                sample.add(dtype, raw)
             gpu = None
             if gpu_index is not None:
                 from tiered.gpu import GpuDevice

@@ -143,8 +143,9 @@ def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSp
         # target codec runs on the GPU, else on the CPU pool.
         raw = gpu.decode(src, step, index, rec)
         bounds = [(j * chunk_size, j * chunk_size + c.raw_size) for j, c in enumerate(rec.chunks)]
-        for w in range(0, len(rec.chunks), _WINDOW):
-            idx = range(w, min(w + _WINDOW, len(rec.chunks)))
+        window = gpu.batch_chunks if dst_cls.gpu_capable else _WINDOW  # big batches: nvCOMP's speed
+        for w in range(0, len(rec.chunks), window):
+            idx = range(w, min(w + window, len(rec.chunks)))
             if dst_cls.gpu_capable:
                 encoded = [stored_extent(b) for b in gpu.encode_chunks([raw[slice(*bounds[j])] for j in idx], spec)]
             else:
@@ -192,8 +193,9 @@ class GpuRecoder:
             reader.close()
         return tmp.reshape(-1).view(torch.uint8)
 
-    def decode_chunks(self, src: Any, step: int, index: RankIndex, picks: list[tuple[TensorRecord, int]]) -> list[np.ndarray]:
-        """Single chunks (tensor record, chunk number), decoded on the GPU, as host arrays."""
+    def decode_chunks(self, src: Any, step: int, index: RankIndex,
+                      picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
+        """Single chunks (tensor record, chunk number), decoded on the GPU, as uint8 GPU tensors."""
         from tiered.gpu import device_reader
 
         items = []
@@ -207,10 +209,17 @@ class GpuRecoder:
             self.device.restore(items, reader, index.chunk_size)
         finally:
             reader.close()
-        return [t.reshape(-1).view(torch.uint8).cpu().numpy() for _, t in items]
+        return [t.reshape(-1).view(torch.uint8) for _, t in items]
 
     def encode_chunks(self, chunks: list[torch.Tensor], spec: CodecSpec) -> list[bytes]:
         return self.device.encode_chunks(chunks, spec)
+
+    def measure_encode(self, chunks: list[torch.Tensor], spec: CodecSpec) -> tuple[float, int]:
+        return self.device.measure_encode(chunks, spec)
+
+    @property
+    def batch_chunks(self) -> int:
+        return self.device.batch_chunks
 
 
 def make_gpu_recoder(config: Any) -> GpuRecoder | None:

