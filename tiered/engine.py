@@ -488,6 +488,9 @@ class Engine:
         gpu_index = next(iter(plan.gpu), None)
         plans = plan.gpu[gpu_index] if gpu_index is not None else plan.cpu
         picks = [(plans[t], j) for t, j in sample_positions([p.nbytes for p in plans], self.config.chunk_size)]
+        if not picks:  # nothing to measure in this save (no tensor bytes): sample the next one
+            self._codec_sampled = False
+            return
         copies = []
         for p, j in picks:
             flat = p.tensor.reshape(-1).view(torch.uint8) if p.tensor.is_contiguous() else \

@@ -171,6 +171,16 @@ class LocalDataWriter:
             self._bounce = None
 
 
+def _read_small(path: Path, max_bytes: int, missing: str) -> bytes:
+    """A manifest or index: refused beyond `max_bytes`; CheckpointNotFoundError(`missing`) if absent."""
+    try:
+        if path.stat().st_size > max_bytes:
+            raise FormatError(f"{path}: larger than the {max_bytes} bytes allowed")
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(missing) from None
+
+
 def wait_futures(futures: list[Any]) -> None:
     """Wait for KvikIO futures without holding the GIL in a native wait.
 
@@ -347,22 +357,12 @@ class LocalTier:
         fsync_dir(self.root)
 
     def read_manifest(self, step: int) -> bytes:
-        path = self.step_dir(step) / MANIFEST_NAME
-        try:
-            if path.stat().st_size > MAX_MANIFEST_BYTES:
-                raise FormatError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
-            return path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"step {step} is not committed in tier {self.name!r} ({self.root})") from None
+        return _read_small(self.step_dir(step) / MANIFEST_NAME, MAX_MANIFEST_BYTES,
+                           f"step {step} is not committed in tier {self.name!r} ({self.root})")
 
     def read_file(self, step: int, name: str, max_bytes: int) -> bytes:
         path = self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "file name")
-        try:
-            if path.stat().st_size > max_bytes:
-                raise FormatError(f"{path}: larger than the {max_bytes} bytes allowed")
-            return path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: file is missing") from None
+        return _read_small(path, max_bytes, f"{path}: file is missing")
 
     def open_data_reader(self, step: int, name: str, device: bool) -> LocalDataReader:
         return LocalDataReader(self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "data file"), device)
