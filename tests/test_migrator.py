@@ -313,3 +313,18 @@ def test_gpu_made_s3_copy_restores_without_a_gpu(tmp_path, s3_server, s3_bucket)
         assert engine.steps() == [1] and engine.steps("local") == []
         restored = engine.load(1, device="cpu")
     assert_same(fixture_state(), restored)
+
+
+def test_wait_migrated_covers_every_step_saved_before_it(tmp_path, monkeypatch):
+    # The step is queued for migration before its save is reported persisted: wait_migrated()
+    # right after a save must never return while that step is still missing below, even when
+    # queueing is slow (a slow submit widens the window the old order left open).
+    from tiered.migrator import BackgroundMigrator
+
+    real = BackgroundMigrator.submit
+    monkeypatch.setattr(BackgroundMigrator, "submit", lambda self, step: (time.sleep(0.1), real(self, step)))
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd", migration="in_process")) as engine:
+        for step in range(1, 9):
+            engine.save(step, {"w": torch.randn(50_000)})
+            engine.wait_migrated(timeout=120)
+            assert engine.steps("shared") == list(range(1, step + 1))

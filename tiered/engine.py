@@ -584,11 +584,11 @@ class Engine:
                 _settle(job.handle.staged, exc=err)
                 job.handle.persisted.set_exception(err)
                 continue
+            if self._migrator is not None:  # queued before anyone can see the step persisted, so
+                self._migrator.submit(job.step)  # wait_migrated() after wait() always covers it
             with self._lock:
                 self._inflight.pop(job.step, None)
             job.handle.persisted.set_result(manifest)
-            if self._migrator is not None:
-                self._migrator.submit(job.step)
 
     def wait_migrated(self, timeout: float | None = None) -> None:
         """Wait until every committed step queued for migration is on every tier; raise the
