@@ -103,3 +103,34 @@ def test_retention_evicts_from_the_fast_tier_once_the_slower_tier_has_it(tmp_pat
         engine.wait_migrated(timeout=120)
         assert engine.steps("local") == [3, 4] and engine.steps("shared") == [1, 2, 3, 4]
         assert torch.equal(engine.load(1)["w"], w["w"])
+
+
+def test_gpu_only_codec_without_a_gpu_reads_those_tensors_from_a_portable_tier(tmp_path, caplog):
+    """A fast-tier copy in ans (as a GPU node writes it), read where nvCOMP is absent: the ans
+    tensors come from the slower, portable tier. The ans copy is simulated by relabelling one
+    zstd tensor's codec in the local index (its bytes are never decoded here)."""
+    import dataclasses
+
+    from tiered import checksum
+    from tiered.format import CodecSpec, read_step
+
+    if tiered.engine.gpu_stack_available():
+        pytest.skip("GPU codecs are present here: ans decodes on the GPU")
+    cfg, state, _ = saved(tmp_path, "cpu")
+    step_dir = tmp_path / "local" / "step_000000000005"
+    with tiered.Engine.from_config(cfg) as engine:
+        manifest, (idx,) = read_step(engine.get_tier("local"), 5)
+    big = max(idx.tensors, key=lambda t: len(t.chunks))
+    relabelled = dataclasses.replace(big, codec=CodecSpec.of("ans", data_type="<f4"))
+    raw = dataclasses.replace(idx, tensors=tuple(relabelled if t is big else t for t in idx.tensors)).to_json()
+    (step_dir / "rank_00000.index.json").write_bytes(raw)
+    entry = dataclasses.replace(manifest.ranks[0], index_bytes=len(raw), index_checksum=checksum.wsum64(raw))
+    (step_dir / "MANIFEST.json").write_bytes(dataclasses.replace(manifest, ranks=(entry,)).to_json())
+    local_only = {"tiers": [cfg["tiers"][0]], "chunk_size": cfg["chunk_size"]}
+    with tiered.Engine.from_config(local_only) as engine:
+        with pytest.raises(tiered.CodecUnavailableError, match="needs an NVIDIA GPU"):
+            engine.load(5)
+    with caplog.at_level(logging.WARNING, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        assert_same(state, engine.load(5))  # local first; its ans tensor from shared
+    assert f"stores {big.name!r} with ans, which needs a GPU to decode" in caplog.text
+    assert f"ans needs a GPU to decode; read tensor {big.name!r} chunk 0 from tier 'shared' instead" in caplog.text

@@ -128,11 +128,11 @@ def decode_into(codec, rec: TensorRecord, j: int, stored: memoryview, out: memor
 
 
 def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
-                  settings: ZstdSettings, chunk_size: int, repair=None) -> None:
+                  settings: ZstdSettings, chunk_size: int, repair=None, unread: str = "the data file is missing") -> None:
     """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes).
 
     `repair(rec, j, why)`, when given, supplies the raw bytes of a chunk that fails here (a
-    checksum or decode error, or `reader` None: the data file is missing); else that raises.
+    checksum or decode error), and of every chunk when `reader` is None (`unread` says why).
     """
     codec = get_codec(rec.codec, settings)
 
@@ -141,7 +141,7 @@ def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolEx
 
     if reader is None:
         for j in range(len(rec.chunks)):
-            fix(j, "the data file is missing")
+            fix(j, unread)
         return
     for window, data, base in read_windows(rec, reader):
         def one(j: int) -> None:

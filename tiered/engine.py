@@ -21,13 +21,11 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from tiered import checksum, cpu, tree
-from tiered.codecs import get_codec_class
-from tiered.config import AUTO, Config, ConfigInput, load_config
-from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, FormatError,
+from tiered.config import Config, ConfigInput, load_config
+from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, FormatError,
                            StateDictError, TieredError)
 from tiered.format import (ALIGNMENT, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
                            data_file_name, dtype_name, index_file_name)
@@ -120,12 +118,9 @@ class Engine:
         self._api_lock = threading.RLock()  # save/restore/load from several threads run one at a time
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
-        fast_codec = config.fast_tier.codec
-        self._fast_codec = fast_codec if fast_codec != AUTO else ("ans" if self._gpu_ready else "zstd")
-        """The fast tier's codec for the next save. With codec: auto, the first save uses the usual
-        choice (ans on GPUs, zstd on CPUs) and a sample of it decides the rest (`_decide_codec`)."""
-        self._codec_sampled = fast_codec != AUTO
-        self._decider: threading.Thread | None = None
+        from tiered.probe import FastTierCodec
+
+        self._codec = FastTierCodec(config, self.tier, self._pool, self._host, self._gpu_ready)
         self._migrator: Any = None
         if len(config.tiers) > 1 and config.migration == "in_process":
             from tiered.migrator import BackgroundMigrator, make_gpu_recoder
@@ -158,12 +153,12 @@ class Engine:
     def fast_codec(self) -> str:
         """The codec the next save uses for GPU tensors on the fast tier (CPU tensors get zstd
         where this is ans)."""
-        return self._fast_codec
+        return self._codec.codec
 
     def describe(self) -> str:
         """One line: where checkpoints go and how they are encoded on this machine."""
-        codec = self._fast_codec
-        auto = " (codec: auto; measured on the first save)" if not self._codec_sampled else ""
+        codec = self._codec.codec
+        auto = " (codec: auto; measured on the first save)" if self._codec.pending else ""
         how = (f"GPU tensors: {codec} on the GPU via KvikIO; CPU tensors: {'zstd' if codec == 'ans' else codec}"
                if self._gpu_ready else
                f"no GPU codecs here: every tensor is stored with {'zstd' if codec == 'ans' else codec} on the CPU")
@@ -232,7 +227,7 @@ class Engine:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
         skeleton, leaves = tree.flatten(state_dict)
-        plan = make_plan(leaves, self._fast_codec, self.config.chunk_size, self._gpu_ready)
+        plan = make_plan(leaves, self._codec.codec, self.config.chunk_size, self._gpu_ready)
         self.tier.begin_step(step)
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -256,9 +251,7 @@ class Engine:
             raise
         job.segments.put(_END)
         job.go.set()
-        if not self._codec_sampled:
-            self._codec_sampled = True
-            self._sample_for_codec(plan, handle)
+        self._codec.after_save(plan, handle)
         if events:
             threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
         else:
@@ -296,8 +289,7 @@ class Engine:
             self._closed = True
             self._jobs.put(None)
             self._writer.join()
-            if self._decider is not None:
-                self._decider.join()
+            self._codec.join()
             if self._migrator is not None:
                 self._migrator.stop()  # queued migrations finish first; a crash resumes next run
             self._pool.shutdown()
@@ -382,7 +374,7 @@ class Engine:
                     raise
                 log.warning("tiered: step %d: cannot open it on tier %r (%s); reading tier %r instead", step,
                             tier.name, exc, order[i + 1].name)
-        from tiered.fallback import ChunkRepair
+        from tiered.restore import ChunkRepair, decode_rank
 
         repair = ChunkRepair(step, self.rank, tier.name, order[i + 1:], self.config.zstd, index.chunk_size)
         _, leaves = tree.flatten(target)
@@ -404,7 +396,8 @@ class Engine:
             raise StateDictError(f"step {step} has no entry for {_summarize(sorted(targets))} of the given state_dict "
                                  "(pass strict=False to leave them as they are)")
         try:
-            self._decode(step, index, dests, tier, repair if repair else None)
+            decode_rank(step, index, dests, tier, repair if repair else None, gpu_ready=self._gpu_ready,
+                        device=self._device, pool=self._pool, settings=self.config.zstd)
         finally:
             repair.close()
         numpy_leaves = {rec.index for rec in index.tensors if rec.is_numpy}
@@ -413,135 +406,6 @@ class Engine:
                                lambda i: dests[i].numpy() if i in numpy_leaves else dests[i]), tier.name
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise FormatError(f"{tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
-
-    def _decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any, repair: Any) -> None:
-        """Decode every tensor of `index` into `dests`; `repair` (a ChunkRepair, or None) stands in
-        for chunks that fail here, and for the whole data file when it is missing or truncated."""
-        by_gpu: dict[int, list[tuple[TensorRecord, torch.Tensor]]] = {}
-        on_cpu: list[tuple[TensorRecord, torch.Tensor]] = []
-        for rec in index.tensors:
-            dst = dests[rec.index]
-            cls = get_codec_class(rec.codec.name)
-            if not cls.cpu_capable and not self._gpu_ready:
-                raise CodecUnavailableError(
-                    f"{tier.describe(step, index.data_file)}: tensor {rec.name!r} is stored with codec "
-                    f"{rec.codec.name!r}, which needs an NVIDIA GPU with nvCOMP to decode. Restore on a GPU "
-                    "machine, or from a tier holding a CPU-decodable copy (zstd).")
-            if self._gpu_ready and cls.gpu_capable and (dst.is_cuda or not cls.cpu_capable):
-                by_gpu.setdefault(dst.device.index if dst.is_cuda else torch.cuda.current_device(), []).append((rec, dst))
-            else:
-                on_cpu.append((rec, dst))
-        if index.data_bytes == 0:  # no tensor bytes in this rank: nothing to read (S3 stores no object)
-            for rec, dst in on_cpu + [item for items in by_gpu.values() for item in items]:
-                if rec.chunks:
-                    raise FormatError(f"{tier.describe(step, index.data_file)}: chunks in an empty data file")
-            return
-        host_reader = None
-        try:
-            host_reader = tier.open_data_reader(step, index.data_file, device=False)
-            if host_reader.size != index.data_bytes:
-                raise FormatError(f"{host_reader.path}: data file has {host_reader.size} bytes, the index says "
-                                  f"{index.data_bytes} (truncated or replaced)")
-        except (TieredError, OSError) as exc:
-            if host_reader is not None:
-                host_reader.close()
-                host_reader = None
-            if repair is None:
-                raise
-            log.warning("tiered: step %d: %s; reading every chunk from the slower tiers", step, exc)
-            # Every tensor through the CPU path, its chunks supplied by the slower tiers.
-            on_cpu += [item for items in by_gpu.values() for item in items]
-            by_gpu = {}
-        try:
-            for rec, dst in on_cpu:
-                if not rec.nbytes:
-                    continue
-                if dst.device.type == "cpu" and dst.is_contiguous():
-                    out = dst.reshape(-1).view(torch.uint8).numpy()
-                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size, repair)
-                else:
-                    out = np.empty(rec.nbytes, dtype=np.uint8)
-                    cpu.decode_tensor(rec, host_reader, out, self._pool, self.config.zstd, index.chunk_size, repair)
-                    dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
-        finally:
-            if host_reader is not None:
-                host_reader.close()
-        if not by_gpu:
-            return
-        from tiered.gpu import device_reader
-
-        for dev, items in by_gpu.items():
-            reader = device_reader(tier, step, index.data_file)
-            try:
-                self._device(dev).restore(items, reader, index.chunk_size, repair)
-            finally:
-                reader.close()
-
-    # --- codec: auto ----------------------------------------------------------------------
-    def _sample_for_codec(self, plan: SavePlan, handle: SaveHandle) -> None:
-        """Copy a sample of this save's chunks (GPU tensors when there are any: they decide the
-        codec; a few MiB, copied on the training stream after the snapshot) and decide the fast
-        tier's codec from it on a thread, once this save is durable (so the measurement neither
-        competes with it nor delays it)."""
-        from tiered.probe import sample_positions
-
-        gpu_index = next(iter(plan.gpu), None)
-        plans = plan.gpu[gpu_index] if gpu_index is not None else plan.cpu
-        picks = [(plans[t], j) for t, j in sample_positions([p.nbytes for p in plans], self.config.chunk_size)]
-        if not picks:  # nothing to measure in this save (no tensor bytes): sample the next one
-            self._codec_sampled = False
-            return
-        copies = []
-        for p, j in picks:
-            flat = p.tensor.reshape(-1).view(torch.uint8) if p.tensor.is_contiguous() else \
-                p.tensor.contiguous().reshape(-1).view(torch.uint8)
-            piece = flat[j * self.config.chunk_size:j * self.config.chunk_size + p.raw_size(j)]
-            copies.append((p.tensor.dtype, piece.clone() if piece.is_cuda else piece.numpy().copy()))
-        ready = None
-        if gpu_index is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(gpu_index))
-        self._decider = threading.Thread(target=self._decide_codec, args=(copies, ready, gpu_index, handle),
-                                         name="tiered-codec-policy", daemon=True)
-        self._decider.start()
-
-    def _decide_codec(self, copies: list[tuple[torch.dtype, Any]], ready: Any, gpu_index: int | None,
-                      handle: SaveHandle) -> None:
-        from tiered.config import CODEC_NAMES
-        from tiered.policy import choose_codec
-        from tiered.probe import Sample, measure, tier_bandwidth
-
-        cfg = self.config.fast_tier
-        try:
-            if handle.persisted.exception() is not None:
-                self._codec_sampled = False  # sample the next save instead
-                return
-            sample = Sample()
-            if ready is not None:
-                ready.synchronize()
-            for dtype, raw in copies:
-                sample.add(dtype, raw)
-            gpu = None
-            if gpu_index is not None:
-                from tiered.gpu import GpuDevice
-
-                gpu = GpuDevice(gpu_index, self.config.chunk_size, self.config.budgets, self.config.zstd, self._host)
-            names = [n for n in CODEC_NAMES if gpu is not None or get_codec_class(n).cpu_capable]
-            samples = measure(sample, names, pool=self._pool, settings=self.config.zstd, gpu=gpu)
-            bandwidth = tier_bandwidth(cfg, self.tier)
-            # GPU saves: compression is the snapshot (encode, then write); CPU saves pipeline them.
-            choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=cfg.portable, overlap=gpu is None)
-        except Exception as exc:  # noqa: BLE001 - the policy is an optimisation: keep the usual codec
-            log.warning("tiered: codec: auto for tier %r: measuring failed (%r); keeping %s", cfg.name, exc,
-                        self._fast_codec)
-            return
-        from tiered.units import format_rate
-
-        log.info("tiered: tier %r codec: %s for the next saves (policy: tier writes %s; %s)", cfg.name, choice,
-                 format_rate(bandwidth), ", ".join(
-                     f"{x.name} {format_rate(x.throughput) if x.throughput < 1e14 else 'free'} "
-                     f"{100 * (1 - x.ratio):.1f}% saved" for x in samples))
-        self._fast_codec = choice
 
     # --- internals -----------------------------------------------------------------------
 

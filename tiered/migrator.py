@@ -37,7 +37,7 @@ from tiered.cpu import decode_into, pad_extent, read_windows, stored_extent, ver
 from tiered.errors import CodecUnavailableError, TieredError
 from tiered.format import ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
 from tiered.policy import choose_codec, evictable
-from tiered.probe import SAMPLE_CHUNKS, Sample, measure, sample_positions, tier_bandwidth
+from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
@@ -279,9 +279,8 @@ def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, 
     samples = measure(sample, names, pool=pool, settings=settings, gpu=gpu)
     bandwidth = tier_bandwidth(dst_config, dst)
     choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=dst_config.portable, overlap=True)
-    log.info("tiered: step %d on tier %r: codec %s (policy; tier %s; %s)", step, dst_config.name, choice,
-             format_rate(bandwidth), ", ".join(f"{s.name} {format_rate(s.throughput) if s.throughput < 1e14 else 'copy'}"
-                                              f" {100 * (1 - s.ratio):.1f}% saved" for s in samples))
+    log.info("tiered: step %d on tier %r: codec %s (policy; tier writes %s; %s)", step, dst_config.name, choice,
+             format_rate(bandwidth), describe_samples(samples))
     return choice
 
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from tiered.codecs import get_codec, get_codec_class
-from tiered.config import LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig, ZstdSettings
-from tiered.policy import CodecSample
+from tiered.config import AUTO, CODEC_NAMES, LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig, ZstdSettings
+from tiered.policy import CodecSample, choose_codec
 from tiered.units import format_rate
 
 log = logging.getLogger("tiered")
@@ -184,3 +184,82 @@ def _encode_gpu(gpu: Any, chunks: list[tuple[torch.dtype, Raw]], name: str) -> t
         s, n = gpu.measure_encode(raws, cls.spec_for(dtype))
         seconds, stored = seconds + s, stored + n
     return seconds, stored
+
+
+class FastTierCodec:
+    """``codec: auto`` on the fast tier. Until measured, saves use ans where GPU codecs exist and
+    zstd elsewhere; `after_save` copies a sample of the first save (GPU tensors when there are
+    any: they decide; a few MiB, copied on the training stream after the snapshot) and a thread
+    decides from it once that save is durable, so the measurement neither competes with the
+    save nor delays it. The decision applies from the next save on. A pinned codec is used as is.
+    """
+
+    def __init__(self, config: Any, tier: Any, pool: ThreadPoolExecutor, host: Any, gpu_ready: bool):
+        self.config, self.tier, self.pool, self.host = config, tier, pool, host
+        pinned = config.fast_tier.codec
+        self.codec = pinned if pinned != AUTO else ("ans" if gpu_ready else "zstd")
+        """The codec for the next save."""
+        self.pending = pinned == AUTO
+        """No decision yet: the next save is sampled."""
+        self._thread: threading.Thread | None = None
+
+    def after_save(self, plan: Any, handle: Any) -> None:
+        if not self.pending or self._thread is not None:
+            return
+        chunk_size = self.config.chunk_size
+        gpu_index = next(iter(plan.gpu), None)
+        plans = plan.gpu[gpu_index] if gpu_index is not None else plan.cpu
+        picks = [(plans[t], j) for t, j in sample_positions([p.nbytes for p in plans], chunk_size)]
+        if not picks:  # no tensor bytes in this save: sample the next one
+            return
+        copies = []
+        for p, j in picks:
+            t = p.tensor if p.tensor.is_contiguous() else p.tensor.contiguous()
+            piece = t.reshape(-1).view(torch.uint8)[j * chunk_size:j * chunk_size + p.raw_size(j)]
+            copies.append((p.tensor.dtype, piece.clone() if piece.is_cuda else piece.numpy().copy()))
+        ready = None
+        if gpu_index is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(gpu_index))
+        self._thread = threading.Thread(target=self._decide, args=(copies, ready, gpu_index, handle),
+                                        name="tiered-codec-policy", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _decide(self, copies: list[tuple[torch.dtype, Raw]], ready: Any, gpu_index: int | None, handle: Any) -> None:
+        cfg = self.config.fast_tier
+        try:
+            if handle.persisted.exception() is not None:
+                self._thread = None  # that save failed: sample the next one
+                return
+            if ready is not None:
+                ready.synchronize()
+            sample = Sample()
+            for dtype, raw in copies:
+                sample.add(dtype, raw)
+            gpu = None
+            if gpu_index is not None:
+                from tiered.gpu import GpuDevice
+
+                gpu = GpuDevice(gpu_index, self.config.chunk_size, self.config.budgets, self.config.zstd, self.host)
+            names = [n for n in CODEC_NAMES if gpu is not None or get_codec_class(n).cpu_capable]
+            samples = measure(sample, names, pool=self.pool, settings=self.config.zstd, gpu=gpu)
+            bandwidth = tier_bandwidth(cfg, self.tier)
+            # GPU saves: compression is the snapshot (encode, then write); CPU saves pipeline them.
+            choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=cfg.portable, overlap=gpu is None)
+        except Exception as exc:  # noqa: BLE001 - the policy is an optimisation: keep the usual codec
+            log.warning("tiered: codec: auto for tier %r: measuring failed (%r); keeping %s", cfg.name, exc,
+                        self.codec)
+            self.pending = False
+            return
+        log.info("tiered: tier %r codec: %s for the next saves (policy: tier writes %s; %s)", cfg.name, choice,
+                 format_rate(bandwidth), describe_samples(samples))
+        self.codec, self.pending = choice, False
+
+
+def describe_samples(samples: Sequence[CodecSample]) -> str:
+    return ", ".join(f"{s.name} {format_rate(s.throughput) if s.throughput < _INSTANT / 10 else 'free'} "
+                     f"{100 * (1 - s.ratio):.1f}% saved" for s in samples)

@@ -1,4 +1,5 @@
-"""Restore fallback: a chunk that fails on the tier being read comes from a slower tier instead.
+"""Reading a step back: every tensor of a rank decoded into its destination (`decode_rank`), and
+the fallback that serves a chunk failing on the tier being read from a slower tier (`ChunkRepair`).
 
 Every tier stores a tensor as chunks of the same uncompressed size, whatever its codec, so chunk
 j of a tensor covers the same bytes on every tier: a damaged or missing chunk on the fast tier is
@@ -11,15 +12,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
+from tiered import cpu
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
 from tiered.cpu import decode_into, verified
-from tiered.errors import CorruptionError, TieredError
-from tiered.format import TensorRecord, read_step
+from tiered.errors import CodecUnavailableError, CorruptionError, FormatError, TieredError
+from tiered.format import RankIndex, TensorRecord, read_step
 
 log = logging.getLogger("tiered")
 _DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
@@ -101,3 +105,79 @@ class ChunkRepair:
 def _chunks(n: int) -> str:
     return f"{n} chunk{'s' if n != 1 else ''}"
 
+
+def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any, repair: ChunkRepair | None, *,
+                gpu_ready: bool, device: Callable[[int], Any], pool: ThreadPoolExecutor, settings: ZstdSettings) -> None:
+    """Decode every tensor of one rank's `index` into `dests` (tensor index -> destination): CPU
+    codecs on `pool`, GPU codecs on `device(cuda index)` (a GpuDevice). `repair` (a ChunkRepair,
+    or None) stands in for chunks that fail here, for the whole data file when it is missing or
+    truncated, and for tensors in a GPU-only codec on a machine without GPU codecs."""
+    by_gpu: dict[int, list[tuple[TensorRecord, torch.Tensor]]] = {}
+    on_cpu: list[tuple[TensorRecord, torch.Tensor]] = []
+    elsewhere: set[int] = set()  # tensors this machine cannot decode from this tier: read from slower ones
+    for rec in index.tensors:
+        dst = dests[rec.index]
+        cls = get_codec_class(rec.codec.name)
+        if not cls.cpu_capable and not gpu_ready and repair is not None and rec.chunks:
+            if not elsewhere:
+                log.warning("tiered: step %d: tier %r stores %r with %s, which needs a GPU to decode; reading such "
+                            "tensors from the slower tiers", step, tier.name, rec.name, rec.codec.name)
+            elsewhere.add(rec.index)
+            on_cpu.append((rec, dst))
+            continue
+        if not cls.cpu_capable and not gpu_ready:
+            raise CodecUnavailableError(
+                f"{tier.describe(step, index.data_file)}: tensor {rec.name!r} is stored with codec "
+                f"{rec.codec.name!r}, which needs an NVIDIA GPU with nvCOMP to decode. Restore on a GPU "
+                "machine, or from a tier holding a CPU-decodable copy (zstd).")
+        if gpu_ready and cls.gpu_capable and (dst.is_cuda or not cls.cpu_capable):
+            by_gpu.setdefault(dst.device.index if dst.is_cuda else torch.cuda.current_device(), []).append((rec, dst))
+        else:
+            on_cpu.append((rec, dst))
+    if index.data_bytes == 0:  # no tensor bytes in this rank: nothing to read (S3 stores no object)
+        for rec, dst in on_cpu + [item for items in by_gpu.values() for item in items]:
+            if rec.chunks:
+                raise FormatError(f"{tier.describe(step, index.data_file)}: chunks in an empty data file")
+        return
+    host_reader = None
+    try:
+        host_reader = tier.open_data_reader(step, index.data_file, device=False)
+        if host_reader.size != index.data_bytes:
+            raise FormatError(f"{host_reader.path}: data file has {host_reader.size} bytes, the index says "
+                              f"{index.data_bytes} (truncated or replaced)")
+    except (TieredError, OSError) as exc:
+        if host_reader is not None:
+            host_reader.close()
+            host_reader = None
+        if repair is None:
+            raise
+        log.warning("tiered: step %d: %s; reading every chunk from the slower tiers", step, exc)
+        # Every tensor through the CPU path, its chunks supplied by the slower tiers.
+        on_cpu += [item for items in by_gpu.values() for item in items]
+        by_gpu = {}
+    try:
+        for rec, dst in on_cpu:
+            if not rec.nbytes:
+                continue
+            reader, why = (None, f"{rec.codec.name} needs a GPU to decode") if rec.index in elsewhere else \
+                (host_reader, "the data file is missing")
+            if dst.device.type == "cpu" and dst.is_contiguous():
+                out = dst.reshape(-1).view(torch.uint8).numpy()
+                cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
+            else:
+                out = np.empty(rec.nbytes, dtype=np.uint8)
+                cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
+                dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
+    finally:
+        if host_reader is not None:
+            host_reader.close()
+    if not by_gpu:
+        return
+    from tiered.gpu import device_reader
+
+    for dev, items in by_gpu.items():
+        reader = device_reader(tier, step, index.data_file)
+        try:
+            device(dev).restore(items, reader, index.chunk_size, repair)
+        finally:
+            reader.close()
