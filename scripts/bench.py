@@ -10,7 +10,9 @@ weights, so weights and Adam moments have real statistics. Then it measures, on 
   - time until durable (fsync'd and committed on the local tier), bytes written, saved %
     per category (fp32 weights, Adam exp_avg, exp_avg_sq) and for bf16 weights;
   - restore into the model's GPU tensors (page cache dropped where permitted), bit-exact;
-  - CPU-written zstd restored on the GPU, GPU-written zstd restored on the CPU.
+  - CPU-written zstd restored on the GPU, GPU-written zstd restored on the CPU;
+  - training step time and save() stall while the background migrator recompresses a step to a
+    shared tier, against the same with the migrator idle.
 
     python scripts/bench.py                  # GPU, ~200M parameters
     python scripts/bench.py --device cpu     # CPU mode: small model, smoke test
@@ -39,25 +41,70 @@ from gptmodel import GPT, batch as batch_of, shape_for, stdlib_corpus  # noqa: E
 
 
 def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: int = 0):
+    """Train a fresh model `steps` steps; returns (model, optimizer, info, step function)."""
     torch.manual_seed(seed)
     d, layers, heads = shape_for(params)
     model = GPT(d, layers, heads, ctx).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = stdlib_corpus(64 << 20 if device == "cuda" else 4 << 20).to(device)
-    t0 = time.perf_counter()
-    loss = float("nan")
-    for step in range(steps):
+
+    def step_fn() -> torch.Tensor:
         x, y = batch_of(data, ctx, batch)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=True):
             loss = F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        loss = step_fn()
     if device == "cuda":
         torch.cuda.synchronize()
     n = sum(p.numel() for p in model.parameters())
     return model, opt, dict(params=n, width=d, layers=layers, train_steps=steps, final_loss=round(loss.item(), 3),
-                            train_s=round(time.perf_counter() - t0, 1))
+                            train_s=round(time.perf_counter() - t0, 1)), step_fn
+
+
+def measure_migration(state, step_fn, device: str, root: Path, codec: str) -> dict:
+    """Training while the in-process migrator copies a step down to a shared tier (recompressing
+    to zstd; on the GPU where there is one): training step time and save() stall with the
+    migrator busy, against the same with it idle."""
+    cfg = {"migration": "in_process", "tiers": [
+        {"name": "local", "kind": "local", "path": str(root / "local"), "codec": codec},
+        {"name": "shared", "kind": "posix", "path": str(root / "shared"), "codec": "zstd"}]}
+
+    def step_ms(n: int = 5) -> float:
+        times = []
+        for _ in range(n):
+            sync(device)
+            t0 = time.perf_counter()
+            step_fn()
+            sync(device)
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[len(times) // 2]
+
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()                    # warm-up: slabs, codecs; starts migrating step 1
+        engine.wait_migrated()
+        idle_step = step_ms()
+        idle_stall = measure_saves(engine, state, device, 1, first_step=2)[0]["stall_ms"]
+        engine.wait_migrated()
+        t0 = time.perf_counter()
+        engine.save(3, state).wait()                    # step 3 now migrates in the background
+        busy_stall = measure_saves(engine, state, device, 1, first_step=4)[0]["stall_ms"]
+        busy_step = step_ms()
+        engine.wait_migrated()
+        migrated_s = time.perf_counter() - t0
+        _, index = engine.read_index(3, tier="shared")
+        manifest, _ = engine.read_index(3, tier="shared")
+    shutil.rmtree(root, ignore_errors=True)
+    return {"train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
+            "save_stall_ms_idle": idle_stall, "save_stall_ms_migrating": busy_stall,
+            "seconds_to_shared_after_save": round(migrated_s, 2), "shared_codec": sorted({t.codec.name for t in index.tensors if t.chunks}),
+            "shared_saved_pct": round(100 * manifest.saved_fraction, 2)}
 
 
 # --- measurements ----------------------------------------------------------------------------
@@ -157,7 +204,7 @@ def main() -> int:
     steps = args.train_steps if args.train_steps is not None else (200 if dev == "cuda" else 20)
     ctx, batch = (256, 16) if dev == "cuda" else (128, 8)
 
-    model, opt, info = train(dev, params, steps, ctx, batch)
+    model, opt, info, step_fn = train(dev, params, steps, ctx, batch)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     info.update(device=torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
@@ -196,6 +243,7 @@ def main() -> int:
 
     if dev == "cuda":
         results["interop"] = interop(state, root / "interop")
+    results["migration"] = measure_migration(state, step_fn, dev, root / "migration", codecs[0])
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -253,6 +301,12 @@ def print_table(results: dict) -> None:
         i = results["interop"]
         print(f"\nzstd interop: CPU-written -> GPU restore bit-exact: {i['cpu_written_restored_on_gpu']}; "
               f"GPU-written -> CPU restore bit-exact: {i['gpu_written_restored_on_cpu']} (writers: {i['writers']})")
+    if "migration" in results:
+        m = results["migration"]
+        print(f"\nbackground migration to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
+              f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating; "
+              f"save() stall {m['save_stall_ms_idle']} ms idle / {m['save_stall_ms_migrating']} ms while migrating; "
+              f"steps 3 and 4 on the shared tier {m['seconds_to_shared_after_save']} s after step 3's save()")
 
 
 if __name__ == "__main__":

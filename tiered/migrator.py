@@ -128,7 +128,6 @@ def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSp
     """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order."""
     if not rec.chunks:
         return
-    chunk_size = index.chunk_size
     keep = spec == rec.codec
     src_codec, dst_cls = get_codec(rec.codec, settings), get_codec_class(spec.name)
     on_gpu = not keep and gpu is not None and (dst_cls.gpu_capable or not src_codec.cpu_capable)
@@ -139,21 +138,16 @@ def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSp
     if not keep and not dst_cls.cpu_capable and gpu is None:
         raise CodecUnavailableError(f"codec {spec.name!r} encodes on a GPU only: run the migration on a GPU machine")
     if on_gpu:
-        # Whole tensor on the GPU: decoded there (verified by checksums), re-encoded there when the
-        # target codec runs on the GPU, else on the CPU pool.
-        raw = gpu.decode(src, step, index, rec)
-        bounds = [(j * chunk_size, j * chunk_size + c.raw_size) for j, c in enumerate(rec.chunks)]
-        window = gpu.batch_chunks if dst_cls.gpu_capable else _WINDOW  # big batches: nvCOMP's speed
-        for w in range(0, len(rec.chunks), window):
-            idx = range(w, min(w + window, len(rec.chunks)))
+        # Window by window on the GPU: chunks decoded there (checksums verified), re-encoded there
+        # when the target codec runs on the GPU, else on the CPU pool. Memory: one window of chunks.
+        codec = get_codec(spec, settings)
+        for w in range(0, len(rec.chunks), gpu.batch_chunks):
+            idx = range(w, min(w + gpu.batch_chunks, len(rec.chunks)))
+            raws = gpu.decode_chunks(src, step, index, [(rec, j) for j in idx])
             if dst_cls.gpu_capable:
-                encoded = [stored_extent(b) for b in gpu.encode_chunks([raw[slice(*bounds[j])] for j in idx], spec)]
+                encoded = [stored_extent(b) for b in gpu.encode_chunks(raws, spec)]
             else:
-                host = raw[bounds[idx[0]][0]:bounds[idx[-1]][1]].cpu().numpy()
-                base = bounds[idx[0]][0]
-                codec = get_codec(spec, settings)
-                encoded = list(pool.map(lambda j: stored_extent(codec.encode_chunk(
-                    memoryview(host[bounds[j][0] - base:bounds[j][1] - base]))), idx))
+                encoded = list(pool.map(lambda r: stored_extent(codec.encode_chunk(memoryview(r.cpu().numpy()))), raws))
             yield from zip((rec.chunks[j] for j in idx), encoded)
             if progress:
                 progress(sum(rec.chunks[j].raw_size for j in idx))
@@ -175,23 +169,11 @@ def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSp
 
 class GpuRecoder:
     """The GPU side of migration (and of codec sampling), on a GpuDevice of its own so its work
-    never queues behind a save's: decodes stored tensors (reading through KvikIO where the tier
-    reads into GPU memory) and encodes chunks with GPU codecs. Holds one tensor on the GPU at a time."""
+    never queues behind a save's: decodes stored chunks (reading through KvikIO where the tier
+    reads into GPU memory) and encodes chunks with GPU codecs, a window of `batch_chunks` at a time."""
 
     def __init__(self, device: Any):
         self.device = device
-
-    def decode(self, src: Any, step: int, index: RankIndex, rec: TensorRecord) -> torch.Tensor:
-        """Tensor `rec` of `step` as raw bytes (1-D uint8) on the GPU."""
-        from tiered.gpu import device_reader
-
-        reader = device_reader(src, step, index.data_file)
-        try:
-            tmp = torch.empty(rec.shape, dtype=rec.torch_dtype, device=self.device.device)
-            self.device.restore([(rec, tmp)], reader, index.chunk_size)
-        finally:
-            reader.close()
-        return tmp.reshape(-1).view(torch.uint8)
 
     def decode_chunks(self, src: Any, step: int, index: RankIndex,
                       picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
