@@ -130,27 +130,16 @@ def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSp
         return
     keep = spec == rec.codec
     src_codec, dst_cls = get_codec(rec.codec, settings), get_codec_class(spec.name)
-    on_gpu = not keep and gpu is not None and (dst_cls.gpu_capable or not src_codec.cpu_capable)
-    if not keep and not src_codec.cpu_capable and gpu is None:
+    # The GPU decodes what only it can (ans: at hundreds of GB/s, a brief load) and encodes what
+    # only it can; zstd and none are encoded on the CPU pool (zstandard releases the GIL). GPU
+    # zstd at 1 MiB chunks ran at ~1 GB/s on an H100 and slowed a training step 4x (docs/benchmarks.md).
+    gpu_decode, gpu_encode = not keep and not src_codec.cpu_capable, not keep and not dst_cls.cpu_capable
+    if (gpu_decode or gpu_encode) and gpu is None:
         raise CodecUnavailableError(
-            f"{reader.path}: tensor {rec.name!r} is stored with {rec.codec.name!r}, which needs a GPU with "
-            "nvCOMP to decode: run the migration on a GPU machine")
-    if not keep and not dst_cls.cpu_capable and gpu is None:
-        raise CodecUnavailableError(f"codec {spec.name!r} encodes on a GPU only: run the migration on a GPU machine")
-    if on_gpu:
-        # Window by window on the GPU: chunks decoded there (checksums verified), re-encoded there
-        # when the target codec runs on the GPU, else on the CPU pool. Memory: one window of chunks.
-        codec = get_codec(spec, settings)
-        for w in range(0, len(rec.chunks), gpu.batch_chunks):
-            idx = range(w, min(w + gpu.batch_chunks, len(rec.chunks)))
-            raws = gpu.decode_chunks(src, step, index, [(rec, j) for j in idx])
-            if dst_cls.gpu_capable:
-                encoded = [stored_extent(b) for b in gpu.encode_chunks(raws, spec)]
-            else:
-                encoded = list(pool.map(lambda r: stored_extent(codec.encode_chunk(memoryview(r.cpu().numpy()))), raws))
-            yield from zip((rec.chunks[j] for j in idx), encoded)
-            if progress:
-                progress(sum(rec.chunks[j].raw_size for j in idx))
+            f"{reader.path}: tensor {rec.name!r}: recompressing {rec.codec.name!r} to {spec.name!r} needs a GPU with "
+            "nvCOMP: run the migration on a GPU machine")
+    if gpu_decode or gpu_encode:
+        yield from _gpu_window_chunks(step, src, index, rec, spec, reader, settings, pool, gpu, progress, gpu_encode)
         return
     dst_codec = get_codec(spec, settings)
     for window, data, base in read_windows(rec, reader):
@@ -167,6 +156,45 @@ def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSp
             progress(sum(rec.chunks[j].raw_size for j in window))
 
 
+def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings, pool,
+                       gpu: "GpuRecoder", progress, gpu_encode: bool):
+    """Chunks of `rec` through the GPU, a window of `gpu.batch_chunks` at a time (bounded memory):
+    decoded on the GPU (checksums verified there), encoded on the GPU or the CPU pool."""
+    codec = get_codec(spec, settings)
+    src_cpu = get_codec(rec.codec, settings).cpu_capable
+    dev_reader = None if src_cpu else gpu.reader(src, step, index)
+    try:
+        for w in range(0, len(rec.chunks), gpu.batch_chunks):
+            idx = range(w, min(w + gpu.batch_chunks, len(rec.chunks)))
+            if src_cpu:  # only the encode needs the GPU (a GPU-only target codec)
+                raw = np.concatenate([_cpu_chunk(rec, j, reader, settings) for j in idx])
+                window = torch.from_numpy(raw)
+            else:
+                window = gpu.decode_window(dev_reader, rec, idx.start, idx.stop, index.chunk_size)
+            cs = index.chunk_size
+            parts = [window[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size] for j in idx]
+            if gpu_encode:
+                encoded = [stored_extent(b) for b in gpu.encode_chunks(parts, spec)]
+            else:
+                host = window.cpu().numpy()
+                encoded = list(pool.map(lambda j: stored_extent(codec.encode_chunk(memoryview(
+                    host[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size]))), idx))
+            yield from zip((rec.chunks[j] for j in idx), encoded)
+            if progress:
+                progress(sum(rec.chunks[j].raw_size for j in idx))
+    finally:
+        if dev_reader is not None:
+            dev_reader.close()
+
+
+def _cpu_chunk(rec: TensorRecord, j: int, reader, settings) -> np.ndarray:
+    c = rec.chunks[j]
+    stored = verified(rec, j, reader.read_host(c.offset, c.extent), c.offset, reader.path)
+    raw = np.empty(c.raw_size, dtype=np.uint8)
+    decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
+    return raw
+
+
 class GpuRecoder:
     """The GPU side of migration (and of codec sampling), on a GpuDevice of its own so its work
     never queues behind a save's: decodes stored chunks (reading through KvikIO where the tier
@@ -174,6 +202,22 @@ class GpuRecoder:
 
     def __init__(self, device: Any):
         self.device = device
+
+    def reader(self, src: Any, step: int, index: RankIndex) -> Any:
+        """A reader of the rank's data file into GPU memory (KvikIO, or staged through the host)."""
+        from tiered.gpu import device_reader
+
+        return device_reader(src, step, index.data_file)
+
+    def decode_window(self, reader: Any, rec: TensorRecord, lo: int, hi: int, chunk_size: int) -> torch.Tensor:
+        """Chunks lo..hi-1 of `rec`, decoded on the GPU into one 1-D uint8 GPU tensor (chunk k of
+        the window at k * chunk_size)."""
+        part = rec.chunks[lo:hi]
+        elem = torch.empty((), dtype=rec.torch_dtype).element_size()
+        one = replace(rec, shape=(sum(c.raw_size for c in part) // elem,), chunks=part)
+        out = torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)
+        self.device.restore([(one, out)], reader, chunk_size)
+        return out.view(torch.uint8)
 
     def decode_chunks(self, src: Any, step: int, index: RankIndex,
                       picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
@@ -258,7 +302,7 @@ def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, 
         return "none" if not manifest.raw_bytes else next(iter(CPU_DECODABLE_CODECS))
     names = [n for n in CODEC_NAMES if (get_codec_class(n).cpu_capable or gpu is not None
                                         or any(s and s[0] == n for s in sample.stored))]
-    samples = measure(sample, names, pool=pool, settings=settings, gpu=gpu)
+    samples = measure(sample, names, pool=pool, settings=settings, gpu=gpu, cpu_first=True)
     bandwidth = tier_bandwidth(dst_config, dst)
     choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=dst_config.portable, overlap=True)
     log.info("tiered: step %d on tier %r: codec %s (policy; tier writes %s; %s)", step, dst_config.name, choice,

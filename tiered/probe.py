@@ -131,10 +131,11 @@ def _nbytes(raw: Raw) -> int:
 
 
 def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, settings: ZstdSettings,
-            gpu: Any = None) -> list[CodecSample]:
+            gpu: Any = None, cpu_first: bool = False) -> list[CodecSample]:
     """Each codec in `names` on `sample`: encoded on the GPU (`gpu`: a GpuDevice) when the codec
-    runs there and a GPU is given, else on the CPU pool. Chunks already stored with a codec are
-    kept as they are (no encode time, their stored size)."""
+    runs there and a GPU is given, else on the CPU pool; with `cpu_first`, codecs that have a CPU
+    encoder are measured on the CPU (where the migrator runs them). Chunks already stored with a
+    codec are kept as they are (no encode time, their stored size)."""
     out = []
     raw = max(sample.raw_bytes, 1)
     for name in names:
@@ -143,7 +144,7 @@ def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, s
         kept = sum(s[1] for i, s in enumerate(sample.stored) if s is not None and i not in todo)
         if name == "none" or not todo:
             seconds, stored = 0.0, sum(_nbytes(sample.chunks[i][1]) for i in todo)
-        elif gpu is not None and cls.gpu_capable:
+        elif gpu is not None and cls.gpu_capable and not (cpu_first and cls.cpu_capable):
             seconds, stored = _encode_gpu(gpu, [sample.chunks[i] for i in todo], name)
         elif cls.cpu_capable:
             seconds, stored = _timed(lambda: _encode_cpu([sample.chunks[i] for i in todo], name, pool, settings))
