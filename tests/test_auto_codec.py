@@ -96,7 +96,7 @@ def test_auto_on_gpu_is_ans_locally_and_zstd_down(tmp_path):
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     cfg = {"migration": "in_process", "tiers": [
         {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "bandwidth": "500MB/s"},
-        {"name": "shared", "kind": "posix", "path": str(tmp_path / "s"), "bandwidth": "200MB/s"}]}
+        {"name": "shared", "kind": "posix", "path": str(tmp_path / "s"), "bandwidth": "20MB/s"}]}
     with tiered.Engine.from_config(cfg) as engine:
         engine.save(1, state).wait()
         engine._codec.join(120)

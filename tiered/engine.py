@@ -125,7 +125,7 @@ class Engine:
         if len(config.tiers) > 1 and config.migration == "in_process":
             from tiered.migrator import BackgroundMigrator, make_gpu_recoder
 
-            self._migrator = BackgroundMigrator(config, self.get_tier, self._pool, lambda: make_gpu_recoder(config))
+            self._migrator = BackgroundMigrator(config, self.get_tier, lambda: make_gpu_recoder(config))
         # A script that ends right after save() must not lose that checkpoint with the daemon writer.
         # threading's exit hooks run before concurrent.futures shuts its pools down (which would
         # refuse the codec work) and before atexit; fall back to atexit where they are missing.
