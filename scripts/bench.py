@@ -68,13 +68,23 @@ def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: in
                             train_s=round(time.perf_counter() - t0, 1)), step_fn
 
 
-def measure_migration(state, step_fn, device: str, root: Path, codec: str) -> dict:
-    """Training while the in-process migrator copies a step down to a shared tier (recompressing
-    to zstd; on the GPU where there is one): training step time and save() stall with the
-    migrator busy, against the same with it idle."""
-    cfg = {"migration": "in_process", "tiers": [
+def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode: str) -> dict:
+    """Training while a migrator copies steps down to a shared tier (recompressing to zstd): the
+    engine's own thread (`in_process`) or a `tiered migrate --follow` daemon (`daemon`). Training
+    step time and save() stall with the migrator busy, against the same with it idle."""
+    import subprocess
+
+    import yaml
+
+    cfg = {"migration": "in_process" if mode == "in_process" else "external", "tiers": [
         {"name": "local", "kind": "local", "path": str(root / "local"), "codec": codec},
         {"name": "shared", "kind": "posix", "path": str(root / "shared"), "codec": "zstd"}]}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cluster.yaml").write_text(yaml.safe_dump(cfg))
+    daemon = None
+    if mode == "daemon":
+        daemon = subprocess.Popen([sys.executable, "-m", "tiered.cli", "migrate", "--config", str(root / "cluster.yaml"),
+                                   "--follow", "--interval", "0.2", "-q"])
 
     def step_ms(n: int = 5) -> float:
         times = []
@@ -86,22 +96,35 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str) -> di
             times.append(1e3 * (time.perf_counter() - t0))
         return sorted(times)[len(times) // 2]
 
-    with tiered.Engine.from_config(cfg) as engine:
-        engine.save(1, state).wait()                    # warm-up: slabs, codecs; starts migrating step 1
-        engine.wait_migrated()
-        idle_step = step_ms()
-        idle_stall = measure_saves(engine, state, device, 1, first_step=2)[0]["stall_ms"]
-        engine.wait_migrated()
-        t0 = time.perf_counter()
-        engine.save(3, state).wait()                    # step 3 now migrates in the background
-        busy_stall = measure_saves(engine, state, device, 1, first_step=4)[0]["stall_ms"]
-        busy_step = step_ms()
-        engine.wait_migrated()
-        migrated_s = time.perf_counter() - t0
-        _, index = engine.read_index(3, tier="shared")
-        manifest, _ = engine.read_index(3, tier="shared")
+    def migrated(engine, steps) -> None:
+        if daemon is None:
+            engine.wait_migrated()
+            return
+        while not set(steps) <= set(engine.steps("shared")):
+            assert daemon.poll() is None, "the migrate daemon exited"
+            time.sleep(0.05)
+
+    try:
+        with tiered.Engine.from_config(root / "cluster.yaml") as engine:
+            engine.save(1, state).wait()                    # warm-up: slabs, codecs; step 1 migrates
+            migrated(engine, [1])
+            idle_step = step_ms()
+            idle_stall = measure_saves(engine, state, device, 1, first_step=2)[0]["stall_ms"]
+            migrated(engine, [1, 2])
+            t0 = time.perf_counter()
+            engine.save(3, state).wait()                    # step 3 now migrates in the background
+            time.sleep(0.3)                                 # (the daemon scans every 0.2 s)
+            busy_stall = measure_saves(engine, state, device, 1, first_step=4)[0]["stall_ms"]
+            busy_step = step_ms()
+            migrated(engine, [3, 4])
+            migrated_s = time.perf_counter() - t0
+            manifest, index = engine.read_index(3, tier="shared")
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(60)
     shutil.rmtree(root, ignore_errors=True)
-    return {"train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
+    return {"mode": mode, "train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
             "save_stall_ms_idle": idle_stall, "save_stall_ms_migrating": busy_stall,
             "seconds_to_shared_after_save": round(migrated_s, 2), "shared_codec": sorted({t.codec.name for t in index.tensors if t.chunks}),
             "shared_saved_pct": round(100 * manifest.saved_fraction, 2)}
@@ -243,7 +266,8 @@ def main() -> int:
 
     if dev == "cuda":
         results["interop"] = interop(state, root / "interop")
-    results["migration"] = measure_migration(state, step_fn, dev, root / "migration", codecs[0])
+    results["migration"] = [measure_migration(state, step_fn, dev, root / "migration", codecs[0], mode)
+                            for mode in ("in_process", "daemon")]
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -301,9 +325,8 @@ def print_table(results: dict) -> None:
         i = results["interop"]
         print(f"\nzstd interop: CPU-written -> GPU restore bit-exact: {i['cpu_written_restored_on_gpu']}; "
               f"GPU-written -> CPU restore bit-exact: {i['gpu_written_restored_on_cpu']} (writers: {i['writers']})")
-    if "migration" in results:
-        m = results["migration"]
-        print(f"\nbackground migration to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
+    for m in results.get("migration", ()):
+        print(f"\nmigration ({m['mode']}) to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
               f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating; "
               f"save() stall {m['save_stall_ms_idle']} ms idle / {m['save_stall_ms_migrating']} ms while migrating; "
               f"steps 3 and 4 on the shared tier {m['seconds_to_shared_after_save']} s after step 3's save()")

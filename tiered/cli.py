@@ -340,7 +340,8 @@ def cmd_gc(args: argparse.Namespace, cluster: Cluster) -> int:
 def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
-    from tiered.migrator import MigrationLock, apply_retention, make_gpu_recoder, migrate_down, pending_steps
+    from tiered.migrator import (MigrationLock, apply_retention, background_threads, lower_priority, make_gpu_recoder,
+                                 migrate_down, pending_steps)
 
     config = cluster.config
     if len(config.tiers) < 2:
@@ -358,7 +359,11 @@ def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
              "GPU recompression" if gpu is not None else "CPU recompression")
     failures = 0
     try:
-        with ThreadPoolExecutor(max_workers=config.zstd.threads or None, thread_name_prefix="tiered-codec") as pool:
+        if not args.full_speed:
+            lower_priority()
+        threads = (config.zstd.threads or None) if args.full_speed else background_threads()
+        with ThreadPoolExecutor(max_workers=threads, initializer=None if args.full_speed else lower_priority,
+                                thread_name_prefix="tiered-codec") as pool:
             while True:
                 try:
                     todo = pending_steps(config, cluster.tier)
@@ -480,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mi.add_argument("--follow", "-f", action="store_true",
                     help="keep running: look for new steps every --interval seconds until SIGTERM/SIGINT")
     mi.add_argument("--interval", type=float, default=10.0, metavar="S", help="seconds between scans (default 10)")
+    mi.add_argument("--full-speed", action="store_true",
+                    help="use every core at normal priority (default: a quarter of the cores, niced, so that "
+                         "training on the same node keeps the machine)")
     mi.set_defaults(fn=cmd_migrate)
     re_ = sub.add_parser("restore", help="the same as tiered-restore", description=RESTORE_DESCRIPTION,
                          epilog=RESTORE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
