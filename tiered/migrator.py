@@ -222,15 +222,13 @@ class GpuRecoder:
     def decode_chunks(self, src: Any, step: int, index: RankIndex,
                       picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
         """Single chunks (tensor record, chunk number), decoded on the GPU, as uint8 GPU tensors."""
-        from tiered.gpu import device_reader
-
         items = []
         for rec, j in picks:
             c = rec.chunks[j]
             one = replace(rec, shape=(c.raw_size // torch.empty((), dtype=rec.torch_dtype).element_size(),),
                           chunks=(c,))
             items.append((one, torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)))
-        reader = device_reader(src, step, index.data_file)
+        reader = self.reader(src, step, index)
         try:
             self.device.restore(items, reader, index.chunk_size)
         finally:
