@@ -239,6 +239,22 @@ def main() -> int:
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
 
+    import baselines
+
+    results["ceilings"] = {"disk": baselines.disk_ceilings(root / "ceiling", (2 << 30) if dev == "cuda" else (256 << 20))}
+    if dev == "cuda":
+        results["ceilings"]["d2h_pinned_gbps"] = baselines.d2h_pinned_gbps()
+        results["ceilings"]["gpu_codecs"] = baselines.gpu_codec_gbps(list(_tensors(state)))
+    print(f"# ceilings: {results['ceilings']}", flush=True)
+    rows = {"torch_save": baselines.torch_save_row(state, None, root / "torch_save", dev, state_bytes, drop_caches,
+                                                  bit_exact)}
+    rows.update(baselines.dcp_rows(state, lambda: zeros_like_tree(state), root / "dcp", dev, state_bytes, drop_caches,
+                                   bit_exact))
+    if dev == "cuda":
+        rows["blog_pipeline"] = baselines.blog_row(list(_tensors(state)), root / "blog", state_bytes)
+    results["baselines"] = rows
+    print(f"# baselines: {rows}", flush=True)
+
     codecs = ["ans", "zstd"] if dev == "cuda" else ["zstd"]
     for codec in codecs:
         cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / codec), "codec": codec}]}
@@ -292,6 +308,17 @@ def interop(state, root: Path) -> dict:
             "writers": ios, "ok": cpu_to_gpu and gpu_to_cpu}
 
 
+def zeros_like_tree(obj):
+    """The same structure with every tensor zeroed (a restore target); other values as they are."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: zeros_like_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [zeros_like_tree(v) for v in obj]
+    return obj
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -325,11 +352,55 @@ def print_table(results: dict) -> None:
         i = results["interop"]
         print(f"\nzstd interop: CPU-written -> GPU restore bit-exact: {i['cpu_written_restored_on_gpu']}; "
               f"GPU-written -> CPU restore bit-exact: {i['gpu_written_restored_on_cpu']} (writers: {i['writers']})")
+    print_side_by_side(results)
     for m in results.get("migration", ()):
         print(f"\nmigration ({m['mode']}) to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
               f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating; "
               f"save() stall {m['save_stall_ms_idle']} ms idle / {m['save_stall_ms_migrating']} ms while migrating; "
               f"steps 3 and 4 on the shared tier {m['seconds_to_shared_after_save']} s after step 3's save()")
+
+
+def print_side_by_side(results: dict) -> None:
+    """Every way of saving this state, on the same disk, with the run's ceilings and the targets."""
+    ceil = results.get("ceilings", {})
+    disk = ceil.get("disk", {})
+    print(f"\nceilings (same run): disk write {disk.get('write_gbps')} GB/s, read {disk.get('read_gbps')} GB/s "
+          f"({disk.get('threads')} threads, {disk.get('block_mib')} MiB, O_DIRECT {disk.get('o_direct')})"
+          + (f"; pinned D2H {ceil['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in ceil else "")
+          + "".join(f"; GPU {k} encode {v['encode_gbps']} GB/s" for k, v in ceil.get("gpu_codecs", {}).items()))
+    print("| method | training stall ms | durable s | written GB | saved % | cold restore s | bit-exact | note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.get("baselines", {}).items():
+        print(f"| {name} | {r['stall_ms']} | {r['durable_s']} | {r['stored_bytes'] / 1e9:.3f} | {r['saved_pct']} | "
+              f"{r['restore_s'] if r['restore_s'] is not None else 'n/m'} | "
+              f"{r['restore_bit_exact'] if r['restore_bit_exact'] is not None else 'n/m'} | {r['note']} |")
+    for codec in ("ans", "zstd"):
+        r = results.get(codec)
+        if not r:
+            continue
+        warm = r["saves"][1:] or r["saves"]
+        med = lambda key: sorted(x[key] for x in warm)[len(warm) // 2]  # noqa: E731
+        print(f"| tiered {codec} | {med('stall_ms')} | {med('durable_s')} | {r['saves'][0]['stored_bytes'] / 1e9:.3f} | "
+              f"{r['ratios']['all']} | {r['restore_s']} | {r['restore_bit_exact']} | warm median |")
+    r = results.get("ans")
+    if not r or not disk:
+        return
+    warm = r["saves"][1:] or r["saves"]
+    stall = sorted(x["stall_ms"] for x in warm)[len(warm) // 2]
+    durable = sorted(x["durable_s"] for x in warm)[len(warm) // 2]
+    stored = r["saves"][0]["stored_bytes"]
+    durable_bound = 1.15 * stored / (disk["write_gbps"] * 1e9)
+    restore_bound = 1.15 * stored / (disk["read_gbps"] * 1e9)
+    checks = [("stall <= 25 ms", stall <= 25, f"{stall} ms"),
+              ("durable <= 1.15 x stored / disk write", durable <= durable_bound, f"{durable} s vs {durable_bound:.3f} s"),
+              ("cold restore <= 1.15 x stored / disk read (+ decode, not counted)", r["restore_s"] <= restore_bound,
+               f"{r['restore_s']} s vs {restore_bound:.3f} s"),
+              ("saved >= 16% (fp32 + Adam)", r["ratios"]["all"] >= 16, f"{r['ratios']['all']} %"),
+              ("saved >= 33% (bf16 weights)", r["bf16_weights_saved_pct"] >= 33, f"{r['bf16_weights_saved_pct']} %")]
+    print("\n| target (ans) | met | measured |\n|---|---|---|")
+    for name, ok, got in checks:
+        print(f"| {name} | {'yes' if ok else 'MISSED'} | {got} |")
+    results["targets"] = {name: {"met": ok, "measured": got} for name, ok, got in checks}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,220 @@
+"""What scripts/bench.py measures tiered against, on the same state and the same disk, in one run.
+
+- ceilings: multi-threaded O_DIRECT write and read bandwidth of the benchmark's disk, pinned
+  device-to-host copy bandwidth, each GPU codec's standalone encode throughput;
+- rows: `torch.save`, DCP `save`, DCP `async_save`, and the NVIDIA blog's pipeline (compress each
+  tensor separately with nvCOMP ANS, copy it to the host, write).
+
+Every row reports the training stall (how long the call blocks the loop, GPU work included),
+time to durable (fsync'd), bytes written, and where it applies a cold restore into the state's
+tensors. Timings are taken here and printed; nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def fsync_tree(root: Path) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def dir_bytes(root: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+# --- ceilings ------------------------------------------------------------------------------
+def disk_ceilings(root: Path, nbytes: int, threads: int = 4, block: int = 16 << 20) -> dict:
+    """O_DIRECT write (then fsync) and read bandwidth of the disk under `root`, `threads` threads
+    each on its own range of one file, `block`-sized requests. Buffered I/O where O_DIRECT is
+    refused (reported)."""
+    import mmap
+
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "ceiling.bin"
+    nbytes -= nbytes % (threads * block)
+    per = nbytes // threads
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(block))
+    direct = bool(_O_DIRECT)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+    except OSError:
+        fd, direct = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
+    os.ftruncate(fd, nbytes)
+
+    def run(fn: Callable[[int, memoryview, int], Any], fd: int) -> float:
+        def worker(i: int) -> None:
+            view = memoryview(bufs[i])
+            for off in range(i * per, (i + 1) * per, block):
+                fn(fd, view, off)
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+
+    try:
+        t_write = run(lambda fd, v, off: os.pwrite(fd, v, off), fd)
+        t0 = time.perf_counter()
+        os.fsync(fd)
+        t_write += time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    rflags = os.O_RDONLY | (_O_DIRECT if direct else 0)
+    fd = os.open(path, rflags)
+    try:
+        t_read = run(lambda fd, v, off: os.preadv(fd, [v], off), fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+        for b in bufs:
+            b.close()
+    return {"write_gbps": round(nbytes / t_write / 1e9, 3), "read_gbps": round(nbytes / t_read / 1e9, 3),
+            "bytes": nbytes, "threads": threads, "block_mib": block >> 20, "o_direct": direct}
+
+
+def d2h_pinned_gbps(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return round(nbytes / (time.perf_counter() - t0) / 1e9, 2)
+
+
+def gpu_codec_gbps(state_tensors: list[torch.Tensor], chunk_size: int = 1 << 20, chunks: int = 256) -> dict:
+    """Each GPU codec's encode throughput on one batch of `chunks` chunks of the state's own fp32
+    tensors (tiered's batched path, timed with CUDA events)."""
+    from tiered.codecs import get_codec_class
+    from tiered.config import Budgets, ZstdSettings
+    from tiered.gpu import GpuDevice
+    from tiered.staging import HostPool
+
+    pieces = []
+    for t in state_tensors:
+        if t.is_cuda and t.dtype == torch.float32 and t.numel() * 4 >= chunk_size:
+            flat = t.reshape(-1).view(torch.uint8)
+            pieces += [flat[k:k + chunk_size] for k in range(0, flat.numel() - chunk_size + 1, chunk_size)]
+        if len(pieces) >= chunks:
+            break
+    pieces = pieces[:chunks]
+    dev = GpuDevice(torch.cuda.current_device(), chunk_size, Budgets(pack_buffer=chunks * chunk_size),
+                    ZstdSettings(), HostPool(64 << 20, 4096))
+    out = {}
+    for name in ("ans", "zstd"):
+        seconds, stored = dev.measure_encode(pieces, get_codec_class(name).spec_for(torch.float32))
+        out[name] = {"encode_gbps": round(len(pieces) * chunk_size / seconds / 1e9, 1),
+                     "saved_pct": round(100 * (1 - stored / (len(pieces) * chunk_size)), 2)}
+    return out
+
+
+# --- rows ----------------------------------------------------------------------------------
+def _row(stall: float, durable: float, stored: int, raw: int, restore_s: float | None, exact: bool | None,
+         note: str = "") -> dict:
+    return {"stall_ms": round(1e3 * stall, 1), "durable_s": round(durable, 3), "stored_bytes": stored,
+            "saved_pct": round(100 * (1 - stored / raw), 2), "restore_s": None if restore_s is None else round(restore_s, 3),
+            "restore_bit_exact": exact, "note": note}
+
+
+def torch_save_row(state: dict, template: dict, root: Path, device: str, raw: int, drop_caches, same) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "state.pt"
+    _sync(device)
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    fsync_tree(root)
+    elapsed = time.perf_counter() - t0
+    drop_caches()
+    t0 = time.perf_counter()
+    loaded = torch.load(path, map_location=device, weights_only=True)
+    _sync(device)
+    restore = time.perf_counter() - t0
+    row = _row(elapsed, elapsed, path.stat().st_size, raw, restore, same(state["model"], loaded["model"]),
+               "synchronous: the call is the stall")
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def dcp_rows(state: dict, template: Callable[[], dict], root: Path, device: str, raw: int, drop_caches, same) -> dict:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    rows = {}
+    _sync(device)
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(root / "sync"))
+    elapsed = time.perf_counter() - t0
+    target = template()
+    drop_caches()
+    t0 = time.perf_counter()
+    dcp.load(target, checkpoint_id=str(root / "sync"))
+    _sync(device)
+    restore = time.perf_counter() - t0
+    rows["dcp_save"] = _row(elapsed, elapsed, dir_bytes(root / "sync"), raw, restore, same(state["model"], target["model"]),
+                            "synchronous")
+    _sync(device)
+    t0 = time.perf_counter()
+    fut = dcp.async_save(state, checkpoint_id=str(root / "async"))
+    stall = time.perf_counter() - t0
+    fut.result()
+    durable = time.perf_counter() - t0
+    rows["dcp_async_save"] = _row(stall, durable, dir_bytes(root / "async"), raw, None, None,
+                                  "stall: copy to host memory (allocated per call) before returning")
+    shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def blog_row(state_tensors: list[torch.Tensor], root: Path, raw: int) -> dict:
+    """The blog pipeline: per tensor, nvCOMP ANS (default settings) on the GPU, copy the compressed
+    buffer to the host, write; fsync at the end. All synchronous."""
+    import numpy as np
+    from nvidia import nvcomp
+
+    root.mkdir(parents=True, exist_ok=True)
+    codec = nvcomp.Codec(algorithm="ANS")
+    path = root / "blog.bin"
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    stored = 0
+    with open(path, "wb") as f:
+        for t in state_tensors:
+            if not t.is_cuda or t.numel() == 0:
+                continue
+            enc = codec.encode(nvcomp.as_array(t.reshape(-1).view(torch.uint8)))
+            host = np.asarray(enc.cpu())
+            f.write(memoryview(host).cast("B"))
+            stored += host.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t0
+    shutil.rmtree(root, ignore_errors=True)
+    return _row(elapsed, elapsed, stored, raw, None, None, "per-tensor ANS (nvCOMP defaults), synchronous; restore not built")
