@@ -226,48 +226,47 @@ def s3_vs_boto3(state: dict, root: Path) -> dict | None:
     bytes to the same server (a local SeaweedFS): the state saved with zstd on a local tier, then
     migrated (copied as it is) to S3, and its data file uploaded with `boto3 upload_file`
     (64 MiB parts, 8 in flight, as tiered's defaults). None where SeaweedFS or boto3 is missing."""
-    import shutil as _shutil
-
     try:
-        import boto3
-        from boto3.s3.transfer import TransferConfig
+        import boto3  # noqa: F401 - checked here, used in _s3_uploads
     except ImportError:
         return None
-    if _shutil.which("weed") is None:
+    if shutil.which("weed") is None:
         return None
-    import tiered
-    from tiered.migrator import migrate_step
     from tiered.testing import start_s3
 
     server = start_s3(root / "seaweedfs")
-    saved = {k: os.environ.get(k) for k in server.aws_env()}
-    os.environ.update(server.aws_env())
     try:
-        client = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1")
-        client.create_bucket(Bucket="bench")
-        cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / "local"), "codec": "zstd"},
-                         {"name": "s3", "kind": "s3", "bucket": "bench", "prefix": "tiered",
-                          "endpoint_url": server.endpoint_url, "region": "us-east-1", "codec": "zstd"}],
-               "migration": "external"}
-        with tiered.Engine.from_config(cfg) as engine:
-            manifest = engine.save(1, state).wait()
-            t0 = time.perf_counter()
-            migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None)
-            t_tiered = time.perf_counter() - t0
-        data = root / "local" / "step_000000000001" / "rank_00000.data"
-        t0 = time.perf_counter()
-        client.upload_file(str(data), "bench", "plain/rank_00000.data",
-                           Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
-        t_boto = time.perf_counter() - t0
-        n = data.stat().st_size
-        return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
-                "stored_bytes": manifest.stored_bytes,
-                "note": "tiered: the whole step (data, index, manifest, checksums verified); boto3: the data file"}
+        with server.environment():  # the standard AWS chain finds its keys, for tiered and for boto3
+            return _s3_uploads(state, root, server.endpoint_url)
     finally:
         server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    import tiered
+    from tiered.migrator import migrate_step
+
+    client = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
+    client.create_bucket(Bucket="bench")
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / "local"), "codec": "zstd"},
+                     {"name": "s3", "kind": "s3", "bucket": "bench", "prefix": "tiered",
+                      "endpoint_url": endpoint_url, "region": "us-east-1", "codec": "zstd"}],
+           "migration": "external"}
+    with tiered.Engine.from_config(cfg) as engine:
+        manifest = engine.save(1, state).wait()
+        t0 = time.perf_counter()
+        migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None)
+        t_tiered = time.perf_counter() - t0
+    data = root / "local" / "step_000000000001" / "rank_00000.data"
+    t0 = time.perf_counter()
+    client.upload_file(str(data), "bench", "plain/rank_00000.data",
+                       Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
+    t_boto = time.perf_counter() - t0
+    n = data.stat().st_size
+    return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
+            "stored_bytes": manifest.stored_bytes,
+            "note": "tiered: the whole step (data, index, manifest, checksums verified); boto3: the data file"}

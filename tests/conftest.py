@@ -58,15 +58,11 @@ def s3_server(tmp_path_factory):
     from tiered.testing import start_s3
 
     server = start_s3(tmp_path_factory.mktemp("seaweedfs"))
-    saved = {k: os.environ.get(k) for k in server.aws_env()}
-    os.environ.update(server.aws_env())
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    try:
+        with server.environment():
+            yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ and enforced by the server (wrong keys are refused).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -21,6 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 _PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "webdav.port", "admin.port",
@@ -45,6 +47,20 @@ class S3Server:
         """Environment for clients: its keys, and no EC2 metadata lookups."""
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
                 "AWS_EC2_METADATA_DISABLED": "true"}
+
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[None]:
+        """Its keys in os.environ (the standard AWS chain) for the duration; the old values after."""
+        saved = {k: os.environ.get(k) for k in self.aws_env()}
+        os.environ.update(self.aws_env())
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def stop(self) -> None:
         if self.process.poll() is None:
