@@ -127,6 +127,15 @@ def decode_into(codec, rec: TensorRecord, j: int, stored: memoryview, out: memor
         raise chunk_corruption(path, rec, j, f"{rec.codec.name} decode failed: {exc}") from None
 
 
+def read_chunk(rec: TensorRecord, j: int, reader, settings: ZstdSettings) -> np.ndarray:
+    """Chunk j of `rec`: one ranged read, checksum verified, decoded on the CPU into a new array."""
+    c = rec.chunks[j]
+    stored = verified(rec, j, reader.read_host(c.offset, c.extent), c.offset, reader.path)
+    raw = np.empty(c.raw_size, dtype=np.uint8)
+    decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
+    return raw
+
+
 def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
                   settings: ZstdSettings, chunk_size: int, repair=None, unread: str = "the data file is missing") -> None:
     """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes).

@@ -33,7 +33,7 @@ import torch
 from tiered import checksum
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
-from tiered.cpu import decode_into, pad_extent, read_windows, stored_extent, verified
+from tiered.cpu import decode_into, pad_extent, read_chunk, read_windows, stored_extent, verified
 from tiered.errors import CodecUnavailableError, TieredError
 from tiered.format import ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
 from tiered.policy import choose_codec, evictable
@@ -41,7 +41,6 @@ from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sampl
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
-_WINDOW = 64  # chunks per ranged read: bounds memory whatever the tensor's size
 
 
 def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
@@ -59,9 +58,9 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     (None: every tensor keeps its codec; the chunks are copied as they are).
 
     Returns the new manifest, or None when `dst` already has the step.
-    `gpu` (a GpuRecoder) decodes codecs without a CPU decoder (ans) and encodes GPU-capable
-    target codecs on the GPU; without it everything runs on the CPU, and an ANS source that must
-    be recompressed is an error.
+    `gpu` (a GpuRecoder) decodes codecs without a CPU decoder (ans) and encodes codecs without a
+    CPU encoder; everything else runs on the CPU pool. Without it, recompressing from or to such
+    a codec is an error.
     `progress(n)` is called with the raw bytes of each window of chunks done.
     """
     if dst.has_step(step):
@@ -167,7 +166,7 @@ def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: Cod
         for w in range(0, len(rec.chunks), gpu.batch_chunks):
             idx = range(w, min(w + gpu.batch_chunks, len(rec.chunks)))
             if src_cpu:  # only the encode needs the GPU (a GPU-only target codec)
-                raw = np.concatenate([_cpu_chunk(rec, j, reader, settings) for j in idx])
+                raw = np.concatenate([read_chunk(rec, j, reader, settings) for j in idx])
                 window = torch.from_numpy(raw)
             else:
                 window = gpu.decode_window(dev_reader, rec, idx.start, idx.stop, index.chunk_size)
@@ -185,14 +184,6 @@ def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: Cod
     finally:
         if dev_reader is not None:
             dev_reader.close()
-
-
-def _cpu_chunk(rec: TensorRecord, j: int, reader, settings) -> np.ndarray:
-    c = rec.chunks[j]
-    stored = verified(rec, j, reader.read_host(c.offset, c.extent), c.offset, reader.path)
-    raw = np.empty(c.raw_size, dtype=np.uint8)
-    decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
-    return raw
 
 
 class GpuRecoder:
@@ -286,11 +277,7 @@ def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, 
         reader = src.open_data_reader(step, index.data_file, device=False)
         try:
             for rec, j in cpu_picks:
-                c = rec.chunks[j]
-                stored = verified(rec, j, reader.read_host(c.offset, c.extent), c.offset, reader.path)
-                raw = np.empty(c.raw_size, dtype=np.uint8)
-                decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
-                sample.add(rec.torch_dtype, raw, (rec.codec.name, c.size))
+                sample.add(rec.torch_dtype, read_chunk(rec, j, reader, settings), (rec.codec.name, rec.chunks[j].size))
         finally:
             reader.close()
         if gpu_picks:
@@ -382,13 +369,14 @@ class MigrationLock:
         self.path = Path(root) / ".tiered-migrate.lock"
         self._fd = -1
 
-    def acquire(self, blocking: bool = False) -> bool:
+    def acquire(self) -> bool:
+        """Take the lock if it is free; False when another migrator holds it."""
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 
 from tiered import cpu
-from tiered.codecs import get_codec, get_codec_class
+from tiered.codecs import get_codec_class
 from tiered.config import ZstdSettings
-from tiered.cpu import decode_into, verified
 from tiered.errors import CodecUnavailableError, CorruptionError, FormatError, TieredError
 from tiered.format import RankIndex, TensorRecord, read_step
 
@@ -76,12 +75,8 @@ class ChunkRepair:
                     continue
                 if not get_codec_class(other.codec.name).cpu_capable:
                     continue  # a GPU-only copy: try a portable tier further down
-                reader = self._readers[tier.name]
-                c = other.chunks[j]
                 try:
-                    stored = verified(other, j, reader.read_host(c.offset, c.extent), c.offset, reader.path)
-                    raw = np.empty(c.raw_size, dtype=np.uint8)
-                    decode_into(get_codec(other.codec, self.settings), other, j, stored, memoryview(raw), reader.path)
+                    raw = cpu.read_chunk(other, j, self._readers[tier.name], self.settings)
                 except (TieredError, OSError) as exc:
                     log.warning("tiered: step %d: tier %r has no good copy either: %s", self.step, tier.name, exc)
                     continue
