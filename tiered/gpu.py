@@ -245,37 +245,48 @@ class GpuDevice:
         return [to_u64(x) for x in out]
 
     # --- migration and measurement -----------------------------------------------------
-    def encode_chunks(self, chunks: Sequence[torch.Tensor], spec: Any) -> list[bytes]:
-        """Encode `chunks` (1-D uint8 tensors of at most chunk_size bytes, on the host or this
-        GPU) with `spec` on the GPU, each chunk independently as a save would; return each chunk's
-        stored bytes in host memory. Uses buffers of its own (at most pack_buffer of chunks at a
-        time), never the save slab, so it can run beside saves."""
-        codec = get_codec(spec, self.zstd)
-        cs = self.chunk_size
-        stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
-        per = max(1, min(len(chunks), self.budgets.pack_buffer // cs, 256))
-        out: list[bytes] = []
-        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
-            pack = torch.empty(per * cs, dtype=torch.uint8, device=self.device)
-            slab = torch.empty(per * stride, dtype=torch.uint8, device=self.device)
-            for w in range(0, len(chunks), per):
-                part = chunks[w:w + per]
-                for k, raw in enumerate(part):
-                    if raw.numel() > cs:
-                        raise ValueError(f"chunk of {raw.numel()} bytes exceeds chunk_size {cs}")
-                    codec.pack(pack[k * cs:k * cs + raw.numel()], raw.to(self.device, non_blocking=True), cs)
-                sizes = codec.encode_batch(self.stream, cs, pack, [k * cs for k in range(len(part))],
-                                           [raw.numel() for raw in part], slab,
-                                           [k * stride for k in range(len(part))], stride).sizes()
-                host = slab[:len(part) * stride].cpu().numpy()
-                out.extend(host[k * stride:k * stride + n].tobytes() for k, n in enumerate(sizes))
-        return out
-
     @property
     def batch_chunks(self) -> int:
         """Chunks per batched codec call outside saves (migration, measurement): what the pack
         buffer holds, at most 256. nvCOMP's throughput grows with the batch (GPU zstd most)."""
         return max(1, min(self.budgets.pack_buffer // self.chunk_size, 256))
+
+    def _encode_slots(self, codec: Any, srcs: Sequence[torch.Tensor], pack: torch.Tensor, slab: torch.Tensor,
+                      stride: int) -> PendingSizes:
+        """Pack `srcs` (1-D uint8 on this GPU, at most chunk_size bytes each) one per chunk slot of
+        `pack` and encode them in one batched call into rows of `stride` bytes of `slab`; on the
+        current stream (self.stream), as a save's wave does."""
+        cs = self.chunk_size
+        for src in srcs:
+            if src.numel() > cs:
+                raise ValueError(f"chunk of {src.numel()} bytes exceeds chunk_size {cs}")
+        if type(codec).pack is Codec.pack:
+            torch._foreach_copy_([pack[k * cs:k * cs + src.numel()] for k, src in enumerate(srcs)], list(srcs))
+        else:
+            for k, src in enumerate(srcs):
+                codec.pack(pack[k * cs:k * cs + src.numel()], src, cs)
+        return codec.encode_batch(self.stream, cs, pack, [k * cs for k in range(len(srcs))],
+                                  [src.numel() for src in srcs], slab, [k * stride for k in range(len(srcs))], stride)
+
+    def encode_chunks(self, chunks: Sequence[torch.Tensor], spec: Any) -> list[bytes]:
+        """Encode `chunks` (1-D uint8 tensors of at most chunk_size bytes, on the host or this
+        GPU) with `spec` on the GPU, each chunk independently as a save would; return each chunk's
+        stored bytes in host memory. Uses buffers of its own (`batch_chunks` chunks at a time),
+        never the save slab, so it can run beside saves."""
+        codec = get_codec(spec, self.zstd)
+        cs = self.chunk_size
+        stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
+        per = max(1, min(len(chunks), self.batch_chunks))
+        out: list[bytes] = []
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            pack = torch.empty(per * cs, dtype=torch.uint8, device=self.device)
+            slab = torch.empty(per * stride, dtype=torch.uint8, device=self.device)
+            for w in range(0, len(chunks), per):
+                part = [c.to(self.device, non_blocking=True) for c in chunks[w:w + per]]
+                sizes = self._encode_slots(codec, part, pack, slab, stride).sizes()
+                host = slab[:len(part) * stride].cpu().numpy()
+                out.extend(host[k * stride:k * stride + n].tobytes() for k, n in enumerate(sizes))
+        return out
 
     def measure_encode(self, chunks: Sequence[torch.Tensor], spec: Any) -> tuple[float, int]:
         """(seconds, stored bytes) to pack and encode `chunks` (1-D uint8, at most chunk_size
@@ -290,21 +301,10 @@ class GpuDevice:
         stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
         with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
             src = [c.to(self.device) for c in chunks]
-            sizes_in = [src[k % n].numel() for k in range(slots)]
+            srcs = [src[k % n] for k in range(slots)]
             pack = torch.empty(slots * cs, dtype=torch.uint8, device=self.device)
             slab = torch.empty(slots * stride, dtype=torch.uint8, device=self.device)
-
-            def once() -> PendingSizes:
-                if type(codec).pack is Codec.pack:
-                    torch._foreach_copy_([pack[k * cs:k * cs + sizes_in[k]] for k in range(slots)],
-                                         [src[k % n] for k in range(slots)])
-                else:
-                    for k in range(slots):
-                        codec.pack(pack[k * cs:k * cs + sizes_in[k]], src[k % n], cs)
-                return codec.encode_batch(self.stream, cs, pack, [k * cs for k in range(slots)], sizes_in,
-                                          slab, [k * stride for k in range(slots)], stride)
-
-            once().sizes()
+            self._encode_slots(codec, srcs, pack, slab, stride).sizes()  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             # Keep the GPU busy while the host enqueues the timed work (nvCOMP builds its batch
             # descriptors on the host), so the events time GPU work, not host latency.
@@ -312,11 +312,11 @@ class GpuDevice:
             if sleep is not None:
                 sleep(50_000_000)
             start.record(self.stream)
-            pending = once()
+            pending = self._encode_slots(codec, srcs, pack, slab, stride)
             end.record(self.stream)
             sizes = pending.sizes()
             end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 * sum(sizes_in[:n]) / sum(sizes_in)
+        seconds = start.elapsed_time(end) / 1e3 * sum(s.numel() for s in src) / sum(s.numel() for s in srcs)
         return seconds, sum(sizes[:n])
 
     # --- restore -----------------------------------------------------------------------
