@@ -181,15 +181,15 @@ class Engine:
                 tier = self._tiers[name] = make_tier(cfg)
         return tier
 
-    def committed(self) -> dict[str, list[int]]:
-        """Committed steps on each tier, by tier name. A tier that cannot be listed now (S3
-        unreachable, say) is logged and left out."""
+    def committed(self, names: Sequence[str] | None = None) -> dict[str, list[int]]:
+        """Committed steps on each tier (or on the tiers `names`), by tier name. A tier that
+        cannot be listed now (S3 unreachable, say) is logged and left out."""
         out = {}
-        for cfg in self.config.tiers:
+        for name in names or [t.name for t in self.config.tiers]:
             try:
-                out[cfg.name] = self.get_tier(cfg.name).steps()
+                out[name] = self.get_tier(name).steps()
             except (TieredError, OSError) as exc:
-                log.warning("tiered: cannot list tier %r: %s", cfg.name, exc)
+                log.warning("tiered: cannot list tier %r: %s", name, exc)
         return out
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -339,8 +339,9 @@ class Engine:
         if tier is not None:
             self.get_tier(tier)  # names the known tiers when `tier` is not one
             names = names[names.index(tier):]
+        # A single named tier is listed directly, so that a failure to list it is the error raised.
         committed = {tier: self.get_tier(tier).steps()} if tier is not None and len(names) == 1 else \
-            {n: steps for n, steps in self.committed().items() if n in names}
+            self.committed(names)
         held = {n: set(steps) for n, steps in committed.items()}
         where = (f"tier {names[0]!r} ({self.get_tier(names[0]).root})" if len(names) == 1 else
                  "any tier (" + ", ".join(f"{n}: {self.get_tier(n).root}" for n in names) + ")")
