@@ -81,6 +81,21 @@ def zeros_like_state(state):
     return None if not isinstance(state, (int, float, str, bytes)) else state
 
 
+def clone_state(state):
+    """A deep copy: tensors and arrays cloned (contiguity kept as is), containers rebuilt."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    if isinstance(state, OrderedDict):
+        return OrderedDict((k, clone_state(v)) for k, v in state.items())
+    if isinstance(state, dict):
+        return {k: clone_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone_state(v) for v in state)
+    return state
+
+
 def trained_model(device: str, steps: int = 3, seed: int = 0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),

@@ -16,7 +16,7 @@ import torch
 
 import tiered
 from tiered.format import RankIndex
-from helpers import assert_same, mixed_state, trained_model, zeros_like_state
+from helpers import assert_same, clone_state, mixed_state, trained_model, zeros_like_state
 
 
 def test_mixed_state_round_trip_in_place(tier_config, device):
@@ -458,3 +458,57 @@ def test_small_chunks_and_many_chunks_per_tensor(tmp_path, device):
         on_cpu = engine.load(device="cpu")
     assert_same(state, target)
     assert_same({k: v.cpu() for k, v in state.items()}, on_cpu)
+
+
+@pytest.mark.parametrize("budgets", [{}, dict(gpu_buffer="5MiB", pack_buffer="4MiB", host_buffer="6MiB")],
+                         ids=["default-budgets", "small-budgets"])
+def test_saves_of_one_structure_reuse_the_plan_and_keep_each_steps_values(tier_config, device, budgets):
+    # The plan (and, on a GPU, the pack layout) is cached across saves of one structure; each step
+    # must still hold its own values, and a changed structure must be planned anew.
+    expected = {}
+    with tiered.Engine.from_config(tier_config(**budgets)) as engine:
+        for step in range(3):  # new tensors each time, as model.state_dict() gives
+            expected[step] = mixed_state(device, seed=step)
+            engine.save(step, expected[step])
+        state = mixed_state(device, seed=3)
+        engine.save(3, state)
+        expected[3] = clone_state(state)
+        for t in state["weights"].values():  # the same tensors, changed in place
+            t.add_(1)
+        engine.save(4, state)
+        expected[4] = state
+        other = {**mixed_state(device, seed=5), "extra": torch.ones(3, device=device)}
+        other["weights"]["fp32"] = torch.randn(100, 7, device=device)  # a shape changes
+        engine.save(5, other)
+        expected[5] = other
+        expected[6] = mixed_state(device, seed=6)  # and back to the first structure
+        engine.save(6, expected[6])
+        engine.wait()
+        for step, want in expected.items():
+            assert_same(want, engine.load(step), f"step {step}")
+
+
+def test_engine_keeps_no_reference_to_a_saved_state(tier_config, device):
+    import gc
+    import weakref
+
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.save(0, {"warm": torch.ones(10, device=device)}).wait()  # buffers allocated
+        if device == "cpu":
+            arr = np.ones(4_000_000, dtype=np.float32)
+            alive = weakref.ref(arr)
+            state = {"w": torch.from_numpy(arr)}
+            del arr
+        else:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            state = {"w": torch.ones(64_000_000, device=device)}
+        engine.save(1, state).wait()
+        del state
+        gc.collect()
+        if device == "cpu":
+            assert alive() is None, "the engine still references the saved tensors"
+        else:
+            torch.cuda.synchronize()
+            torch.empty(1, device=device)  # lets the allocator retire blocks freed behind stream events
+            assert torch.cuda.memory_allocated() < base + 64_000_000, "the saved GPU tensor was not freed"

@@ -121,3 +121,14 @@ def test_row_ring_on_block_called_only_when_waiting():
     threading.Timer(0.1, ring.release, args=(a,)).start()
     assert ring.acquire(3, on_block=lambda: calls.append("blocked")) == 0
     assert calls == ["blocked"]
+
+
+def test_file_runs_group_chunks_that_lie_end_to_end():
+    from tiered.format import ChunkRecord
+    from tiered.gpu import _file_runs
+
+    c = [ChunkRecord(0, 5000, 1 << 20, 0), ChunkRecord(8192, 100, 1 << 20, 0), ChunkRecord(12288, 4096, 1 << 20, 0),
+         ChunkRecord(40960, 1, 10, 0), ChunkRecord(0, 5000, 1 << 20, 0)]
+    # extents are 4 KiB aligned: 8192, 4096, 4096, 4096, 8192
+    assert _file_runs(c) == [(0, 16384, [0, 1, 2]), (40960, 4096, [3]), (0, 8192, [4])]
+    assert _file_runs([]) == []

@@ -32,9 +32,10 @@ class RawSegment:
     release: Callable[[], None]
 
 
-def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
+def snapshot(plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], host: HostPool, chunk_size: int,
              emit: Callable[[RawSegment], None], on_block: Callable[[], None]) -> None:
     """Copy CPU (or, without GPU codecs, CUDA) tensors into host staging, emitting segments.
+    `tensors` is the save's tensors by leaf index (`SavePlan.tensors`).
 
     Blocks while the host budget is held by earlier segments (backpressure); a tensor larger
     than the budget is staged in pieces, each written before the next is copied.
@@ -64,8 +65,8 @@ def snapshot(plans: Sequence[TensorPlan], host: HostPool, chunk_size: int,
         for plan, j0, n in pieces(wave):
             lo = j0 * chunk_size
             hi = min(plan.nbytes, (j0 + n) * chunk_size)
-            src = plan.tensor.reshape(-1).view(torch.uint8) if plan.tensor.is_contiguous() else \
-                plan.tensor.contiguous().reshape(-1).view(torch.uint8)
+            t = tensors[plan.index]
+            src = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
             raw[pos:pos + hi - lo].copy_(src[lo:hi])
             pos += hi - lo
         emit(RawSegment(wave, raw, lambda p=page: host.ring.release(p)))

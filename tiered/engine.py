@@ -29,7 +29,7 @@ from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, FormatE
                            StateDictError, TieredError)
 from tiered.format import (ALIGNMENT, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
                            data_file_name, dtype_name, index_file_name)
-from tiered.plan import SavePlan, make_plan
+from tiered.plan import PlanCache, SavePlan
 from tiered.staging import HostPool
 from tiered.tiers.local import LocalTier
 from tiered.units import format_size, round_up
@@ -89,6 +89,11 @@ class _Job:
     Until then the writer leaves the job alone, so it does not contend with save() for the GIL."""
     started: float = field(default_factory=time.perf_counter)
 
+    def drop_tensors(self) -> None:
+        """Forget the saved tensors once the step is written (or has failed): the engine must not
+        keep a state alive that the caller has let go."""
+        self.plan = SavePlan(gpu=self.plan.gpu, cpu=self.plan.cpu)
+
 
 class Engine:
     """Checkpoint engine for one process (rank 0 of a world of 1 until torch.distributed support).
@@ -110,6 +115,7 @@ class Engine:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
         self._host = HostPool(config.budgets.host_buffer, page=4096)
         self._devices: dict[int, Any] = {}
+        self._plans = PlanCache()
         self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
         self._inflight: dict[int, SaveHandle] = {}
         self._error: BaseException | None = None
@@ -227,7 +233,7 @@ class Engine:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
         skeleton, leaves = tree.flatten(state_dict)
-        plan = make_plan(leaves, self._codec.codec, self.config.chunk_size, self._gpu_ready)
+        plan = self._plans.plan(leaves, self._codec.codec, self.config.chunk_size, self._gpu_ready)
         self.tier.begin_step(step)
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -239,10 +245,10 @@ class Engine:
         try:
             for index, plans in plan.gpu.items():
                 device = self._device(index)
-                events.append(device.stage(plans, job.segments.put, job.go.set))
+                events.append(device.stage(plans, plan.tensors, job.segments.put, job.go.set))
                 handle.timings.update({f"cuda:{index}.{k}": v for k, v in device.timings.items()})
             t1 = time.perf_counter()
-            cpu.snapshot(plan.cpu, self._host, self.config.chunk_size, job.segments.put, job.go.set)
+            cpu.snapshot(plan.cpu, plan.tensors, self._host, self.config.chunk_size, job.segments.put, job.go.set)
             handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
         except BaseException as exc:
             job.aborted = True
@@ -434,26 +440,32 @@ class Engine:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                manifest = self._write(job)
-            except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
-                _drain(job)
-                self.tier.discard(job.step)  # uncommitted: invisible anyway; frees the space
-                err = BackgroundSaveError(job.step, exc)
-                if not job.aborted:
-                    log.error("tiered: %s", err)
-                with self._lock:
-                    if not job.aborted:  # an aborted save() already raised its own error
-                        self._error = self._error or err
-                    self._inflight.pop(job.step, None)
-                _settle(job.handle.staged, exc=err)
-                job.handle.persisted.set_exception(err)
-                continue
-            if self._migrator is not None:  # queued before anyone can see the step persisted, so
-                self._migrator.submit(job.step)  # wait_migrated() after wait() always covers it
+            self._run_job(job)
+            del job
+
+    def _run_job(self, job: _Job) -> None:
+        try:
+            manifest = self._write(job)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
+            _drain(job)
+            job.drop_tensors()
+            self.tier.discard(job.step)  # uncommitted: invisible anyway; frees the space
+            err = BackgroundSaveError(job.step, exc)
+            if not job.aborted:
+                log.error("tiered: %s", err)
             with self._lock:
+                if not job.aborted:  # an aborted save() already raised its own error
+                    self._error = self._error or err
                 self._inflight.pop(job.step, None)
-            job.handle.persisted.set_result(manifest)
+            _settle(job.handle.staged, exc=err)
+            job.handle.persisted.set_exception(err)
+            return
+        job.drop_tensors()
+        if self._migrator is not None:  # queued before anyone can see the step persisted, so
+            self._migrator.submit(job.step)  # wait_migrated() after wait() always covers it
+        with self._lock:
+            self._inflight.pop(job.step, None)
+        job.handle.persisted.set_result(manifest)
 
     def wait_migrated(self, timeout: float | None = None) -> None:
         """Wait until every committed step queued for migration is on every tier; raise the
@@ -510,8 +522,8 @@ class Engine:
         index = RankIndex(
             rank=self.rank, data_file=data_name, data_bytes=data_bytes, chunk_size=self.config.chunk_size,
             skeleton=job.skeleton, io=writer.io_mode,
-            tensors=tuple(TensorRecord(index=i, name=plans[i].name, dtype=dtype_name(plans[i].tensor.dtype),
-                                       shape=tuple(plans[i].tensor.shape), device=str(plans[i].tensor.device),
+            tensors=tuple(TensorRecord(index=i, name=plans[i].name, dtype=dtype_name(plans[i].dtype),
+                                       shape=plans[i].shape, device=plans[i].device,
                                        is_numpy=plans[i].is_numpy, codec=plans[i].spec, chunks=tuple(chunks[i]))
                           for i in ordered))
         raw_index = index.to_json()
@@ -535,9 +547,17 @@ def _write_rows(seg: Any, writer: Any, place: Any) -> None:
     sizes = seg.sizes()
     if seg.on_gpu:
         sums = seg.device.finish_rows(seg, sizes)
-        for i, ref in enumerate(seg.chunks):
-            writer.write_device(place(ref, sizes[i], sums[i]), seg.rows[i, :round_up(sizes[i], ALIGNMENT)])
-        writer.wait()  # the rows go back to the slab once KvikIO has read them
+        extents = [round_up(n, ALIGNMENT) for n in sizes]
+        # Chunks are placed end to end, so a run of rows is one extent of the file: gathered into
+        # a staging buffer on the GPU, it goes out as one large write (KvikIO splits it into tasks
+        # for its threads) instead of one write per chunk.
+        for i, k, buf, slot in seg.device.coalesce(seg, extents, writer):
+            offset = place(seg.chunks[i], sizes[i], sums[i])
+            for r in range(i + 1, k):
+                place(seg.chunks[r], sizes[r], sums[r])
+            seg.device.hold(slot, writer, writer.write_device(offset, buf))
+            if slot < 0:
+                writer.wait()  # written straight from the row, which goes back to the slab after this
         return
     seg.ready.synchronize()
     rows = seg.rows.numpy()

@@ -30,6 +30,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"^step_(\d{12})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
+_HEX64 = re.compile(r"[0-9a-f]{16}")
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
@@ -124,7 +125,7 @@ class TensorRecord:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.torch_dtype).element_size()
+        n = self.torch_dtype.itemsize
         for d in self.shape:
             n *= d
         return n
@@ -287,7 +288,7 @@ class _Validator:
 
     def hex64(self, doc: Mapping[str, Any], key: str, where: str = "") -> int:
         val = doc.get(key)
-        if not isinstance(val, str) or not re.fullmatch(r"[0-9a-f]{16}", val):
+        if not isinstance(val, str) or not _HEX64.fullmatch(val):
             raise FormatError(f"{self.source}: {where}{key} = {val!r} is not a 64-bit hex checksum")
         return int(val, 16)
 
@@ -323,19 +324,24 @@ class _Validator:
             raise FormatError(f"{self.source}: {where}bad {codec['name']} configuration: {exc}") from None
         chunks_raw = self.list(t, "chunks", where)
         chunks = []
+        match = _HEX64.fullmatch
         for j, c in enumerate(chunks_raw):
-            if not (isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                 for x in c[:3]) and isinstance(c[3], str)):
+            # type() rather than isinstance(): bool is not an int here, and this loop runs per chunk.
+            if type(c) is not list or len(c) != 4:
                 raise FormatError(f"{self.source}: {where}chunk {j} is malformed")
-            off, size, raw_size = c[:3]
-            rec = ChunkRecord(off, size, raw_size, self.hex64({"c": c[3]}, "c", f"{where}chunk {j} "))
-            if off % ALIGNMENT or off < end or size < 0 or off + rec.extent > data_bytes:
+            off, size, raw_size, crc = c
+            if type(off) is not int or type(size) is not int or type(raw_size) is not int or type(crc) is not str:
+                raise FormatError(f"{self.source}: {where}chunk {j} is malformed")
+            if not match(crc):
+                raise FormatError(f"{self.source}: {where}chunk {j} c = {crc!r} is not a 64-bit hex checksum")
+            extent = -(-size // ALIGNMENT) * ALIGNMENT
+            if off % ALIGNMENT or off < end or size < 0 or off + extent > data_bytes:
                 raise FormatError(f"{self.source}: {where}chunk {j} at offset {off} size {size} lies outside "
                                   f"the data file ({data_bytes} bytes) or overlaps the previous chunk")
             if not 0 < raw_size <= chunk_size:
                 raise FormatError(f"{self.source}: {where}chunk {j} raw size {raw_size} not in (0, {chunk_size}]")
-            end = off + rec.extent
-            chunks.append(rec)
+            end = off + extent
+            chunks.append(ChunkRecord(off, size, raw_size, int(crc, 16)))
         rec = TensorRecord(index=self.int(t, "index", 0, 1 << 31), name=name, dtype=dtype, shape=tuple(shape),
                            device=str(t.get("device", "cpu")), is_numpy=bool(t.get("numpy", False)),
                            codec=CodecSpec.of(codec["name"], **codec.get("configuration", {})),

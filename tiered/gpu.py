@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -32,11 +32,13 @@ from tiered.config import Budgets, ZstdSettings
 from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
 from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool, RowRing
-from tiered.tiers.local import wait_futures
+from tiered.tiers.local import drain_quietly, wait_futures
 from tiered.units import round_up
 
 _PACK_ALIGN = 256
 _CHECKSUM_ROWS = 64
+_WRITE_STAGING = 64 << 20
+"""Bytes per coalesced write (two such GPU buffers per device): 4 KvikIO tasks of 16 MiB."""
 
 
 @dataclass
@@ -82,6 +84,10 @@ class GpuDevice:
     _ring: RowRing | None = field(default=None, init=False)
     _stride: int = field(default=0, init=False)
     _pack: torch.Tensor | None = field(default=None, init=False)
+    _layout: "_Layout | None" = field(default=None, init=False)
+    _staging: list[torch.Tensor] | None = field(default=None, init=False)
+    _busy: list[Any] = field(default_factory=lambda: [None, None], init=False)
+    _next_slot: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
     """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
@@ -111,51 +117,56 @@ class GpuDevice:
                 self._pack = torch.empty(self.budgets.pack_buffer, dtype=torch.uint8, device=self.device)
 
     # --- save --------------------------------------------------------------------------
-    def stage(self, plans: Sequence[TensorPlan], emit: Callable[[RowsSegment], None],
-              on_block: Callable[[], None]) -> torch.cuda.Event:
-        """Pack and compress `plans` (all on this device) into slab rows, emitting segments.
+    def stage(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor],
+              emit: Callable[[RowsSegment], None], on_block: Callable[[], None]) -> torch.cuda.Event:
+        """Pack and compress `plans` (all on this device; their tensors are `tensors[plan.index]`)
+        into slab rows, emitting segments.
 
         Returns the event after which the tensors may change; the current stream waits on it.
         `on_block` is called before waiting for rows that the background writer must free.
         """
-        with torch.cuda.device(self.index):
-            return self._stage(plans, emit, on_block)
+        with torch.cuda.device(self.index), torch.no_grad():
+            return self._stage(plans, tensors, emit, on_block)
 
-    def _stage(self, plans, emit, on_block) -> torch.cuda.Event:
+    def _stage(self, plans, tensors, emit, on_block) -> torch.cuda.Event:
         clock = time.perf_counter
-        t = {"order_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "spill_ms": 0.0}
+        t = {"layout_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "spill_ms": 0.0}
         self.timings = t
         t0 = clock()
-        chunks = chunk_refs(plans)
-        if not chunks:
+        if not any(p.nbytes for p in plans):
             return _recorded(torch.cuda.current_stream(self.device))
         self._ensure({p.spec for p in plans})
         ring, stride, pack = self._ring, self._stride, self._pack
         assert ring is not None and pack is not None
+        layout = self._layout
+        if layout is None or not layout.fits(plans, pack, ring.rows, stride):
+            layout = self._layout = _Layout.build(plans, pack, ring.rows, stride, self.chunk_size, self.zstd)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for p in plans:
-            p.tensor.record_stream(self.stream)
-        waves = [chunks[i:k] for i, k in _wave_bounds([c.raw_size for c in chunks], pack.numel(), ring.rows)]
-        t["order_ms"] = 1e3 * (clock() - t0)
-        if len(chunks) > ring.rows:
-            self.host.reserve((len(chunks) - ring.rows + len(waves[0])) * stride)
-        remaining = len(chunks)
+            tensors[p.index].record_stream(self.stream)
+        t["layout_ms"] = 1e3 * (clock() - t0)
+        if layout.nchunks > ring.rows:
+            self.host.reserve((layout.nchunks - ring.rows + len(layout.waves[0].chunks)) * stride)
+        remaining = layout.nchunks
         reads_done = None
-        sources: dict[int, torch.Tensor] = {}
-        for wi, wave in enumerate(waves):
+        contiguous: dict[int, torch.Tensor] = {}
+        for wi, wave in enumerate(layout.waves):
+            n = len(wave.chunks)
             t1 = clock()
-            start = ring.acquire(len(wave), on_block)
-            rows = self._slab[start * stride:(start + len(wave)) * stride].view(len(wave), stride)
+            start = ring.acquire(n, on_block)
+            rows = self._slab[start * stride:(start + n) * stride].view(n, stride)
             t2 = clock()
             with torch.cuda.stream(self.stream):
-                offsets = self._pack_wave(wave, pack, sources)
-                if wi == len(waves) - 1:
+                wave.pack(tensors, contiguous, self.chunk_size)
+                if wi == len(layout.waves) - 1:
                     reads_done = _recorded(self.stream)
                 t3 = clock()
-                pendings = self._encode_wave(wave, offsets, pack, start, stride)
+                pendings = [(codec.encode_batch(self.stream, self.chunk_size, pack, wave.offsets[a:b], wave.raw_sizes[a:b],
+                                                self._slab, [(start + r) * stride for r in range(a, b)], stride), b - a)
+                            for codec, a, b in wave.groups]
             t4 = clock()
-            remaining -= len(wave)
-            seg = RowsSegment(wave, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
+            remaining -= n
+            seg = RowsSegment(wave.chunks, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
                               on_gpu=True, device=self)
             if remaining and ring.free_rows() < min(remaining, ring.rows):
                 seg = self._maybe_spill(seg, ring, start)
@@ -167,50 +178,6 @@ class GpuDevice:
         assert reads_done is not None
         torch.cuda.current_stream(self.device).wait_event(reads_done)
         return reads_done
-
-    def _pack_wave(self, wave: Sequence[ChunkRef], pack: torch.Tensor, sources: dict[int, torch.Tensor]) -> list[int]:
-        """Copy the wave's chunk runs into the pack buffer; return each chunk's pack offset.
-
-        Plain copies (ans, none) go to one fused multi-tensor copy: one launch per wave instead
-        of one per tensor, which is most of save()'s host time on states of many tensors.
-        """
-        offsets, pos = [], 0
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for plan, j0, n in pieces(wave):
-            codec = get_codec(plan.spec, self.zstd)
-            lo = j0 * self.chunk_size
-            hi = min(plan.nbytes, (j0 + n) * self.chunk_size)
-            src = sources.get(plan.index)
-            if src is None:
-                t = plan.tensor if plan.tensor.is_contiguous() else plan.tensor.contiguous()
-                src = sources[plan.index] = _bytes_of(t)
-            if type(codec).pack is Codec.pack:
-                dsts.append(pack[pos:pos + hi - lo])
-                srcs.append(src[lo:hi])
-            else:
-                codec.pack(pack[pos:pos + hi - lo], src[lo:hi], self.chunk_size)
-            offsets.extend(pos + k * self.chunk_size for k in range(n))
-            pos = round_up(pos + hi - lo, _PACK_ALIGN)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        return offsets
-
-    def _encode_wave(self, wave, offsets, pack, start, stride) -> list[tuple[PendingSizes, int]]:
-        pendings = []
-        i = 0
-        while i < len(wave):
-            spec = wave[i].plan.spec
-            k = i
-            while k < len(wave) and wave[k].plan.spec == spec:
-                k += 1
-            codec = get_codec(spec, self.zstd)
-            pending = codec.encode_batch(self.stream, self.chunk_size, pack, offsets[i:k],
-                                         [c.raw_size for c in wave[i:k]], self._slab,
-                                         [(start + r) * stride for r in range(i, k)], stride)
-            pendings.append((pending, k - i))
-            i = k
-        return pendings
 
     def _maybe_spill(self, seg: RowsSegment, ring: RowRing, start: int) -> RowsSegment:
         """Copy a wave to pinned host rows so the slab rows can be reused by this same save."""
@@ -243,6 +210,48 @@ class GpuDevice:
                 sums.append(wsum64_rows_torch(rows, words))
             out = torch.cat(sums).cpu().tolist()
         return [to_u64(x) for x in out]
+
+    def coalesce(self, seg: RowsSegment, extents: Sequence[int], writer: Any) -> Iterator[tuple[int, int, torch.Tensor, int]]:
+        """Copy the rows' extents, in order, end to end into one of two GPU staging buffers of
+        _WRITE_STAGING bytes, yielding (first row, end row, the filled buffer, its slot) so that
+        the caller issues one large write per buffer instead of one per chunk. Before refilling a
+        slot it waits for the write that `hold(slot, writer, future)` registered on it (a write of
+        an earlier, closed writer is complete). Rows larger than a buffer are yielded as they are
+        (slot -1)."""
+        with torch.cuda.device(self.index):
+            if self._staging is None:
+                self._staging = [torch.empty(_WRITE_STAGING, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            i, n = 0, len(extents)
+            while i < n:
+                if extents[i] > _WRITE_STAGING:
+                    yield i, i + 1, seg.rows[i, :extents[i]], -1
+                    i += 1
+                    continue
+                k, total = i, 0
+                while k < n and extents[k] <= _WRITE_STAGING - total:
+                    total += extents[k]
+                    k += 1
+                slot = self._next_slot
+                self._next_slot ^= 1
+                busy = self._busy[slot]
+                if busy is not None and busy[0] is writer:
+                    writer.wait_for(busy[1])
+                buf = self._staging[slot][:total]
+                dsts, srcs, pos = [], [], 0
+                for r in range(i, k):
+                    dsts.append(buf[pos:pos + extents[r]])
+                    srcs.append(seg.rows[r, :extents[r]])
+                    pos += extents[r]
+                with torch.cuda.stream(self.writer_stream):
+                    torch._foreach_copy_(dsts, srcs)
+                self.writer_stream.synchronize()
+                yield i, k, buf, slot
+                i = k
+
+    def hold(self, slot: int, writer: Any, future: Any) -> None:
+        """The staging slot is in use until `future` (a write from it by `writer`) is done."""
+        if slot >= 0:
+            self._busy[slot] = (writer, future)
 
     # --- migration and measurement -----------------------------------------------------
     @property
@@ -344,23 +353,52 @@ class GpuDevice:
             pack = torch.empty(min(self.budgets.pack_buffer, sum(
                 round_up(rec.chunks[j].raw_size, _PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
                 dtype=torch.uint8, device=self.device)
-            for i, k in waves:
-                self._restore_wave(refs[i:k], reader, slab, stride, pack, chunk_size, repair)
+            runs = [_file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
+            need = max(sum(n for _, n, _ in r) for r in runs)
+            # Two read buffers. The next wave's reads are queued before this wave's are waited for,
+            # so KvikIO's threads never idle at a wave boundary, and they run while this wave is
+            # verified and decoded. The next wave's buffer was last used by the previous wave,
+            # which is finished (decoded and synchronized).
+            staging = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(waves)))]
+            current = self._read_runs(reader, runs[0], staging[0])
+            for w, (i, k) in enumerate(waves):
+                pending = self._read_runs(reader, runs[w + 1], staging[(w + 1) % 2]) if w + 1 < len(waves) else []
+                try:
+                    wait_futures(current)
+                    self._restore_wave(refs[i:k], runs[w], staging[w % 2], reader, slab, stride, pack, chunk_size,
+                                       repair)
+                except BaseException:
+                    drain_quietly(current + pending)  # nothing may still write into buffers about to be freed
+                    raise
+                current = pending
         for rec, dst, tmp in work:
             if tmp is not dst:
                 dst.copy_(tmp)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def _restore_wave(self, refs, reader, slab, stride, pack, chunk_size, repair) -> None:
+    @staticmethod
+    def _read_runs(reader: Any, runs: list[tuple[int, int, list[int]]], buf: torch.Tensor) -> list[Any]:
+        """Start one read per run of file-adjacent chunks, end to end into `buf`."""
+        futures, pos = [], 0
+        for offset, nbytes, _ in runs:
+            futures.append(reader.read_device_async(offset, nbytes, buf[pos:pos + nbytes]))
+            pos += nbytes
+        return futures
+
+    def _restore_wave(self, refs, runs, staged, reader, slab, stride, pack, chunk_size, repair) -> None:
         n = len(refs)
         rows = slab[:n * stride].view(n, stride)
+        dsts, srcs, pos = [], [], 0
+        for _, nbytes, members in runs:
+            for r in members:
+                extent = refs[r][0].chunks[refs[r][2]].extent
+                dsts.append(rows[r, :extent])
+                srcs.append(staged[pos:pos + extent])
+                pos += extent
         with torch.cuda.stream(self.stream):
-            rows.zero_()
-        self.stream.synchronize()
-        futures = [reader.read_device_async(rec.chunks[j].offset, rec.chunks[j].extent, rows[r, :rec.chunks[j].extent])
-                   for r, (rec, _, j) in enumerate(refs)]
-        wait_futures(futures)
-        with torch.cuda.stream(self.stream):
+            rows.zero_()  # checksums read whole words of the row: zero past each extent
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
             sums = []
             for r in range(0, n, _CHECKSUM_ROWS):
                 part = refs[r:r + _CHECKSUM_ROWS]
@@ -420,10 +458,102 @@ class GpuDevice:
         self.stream.synchronize()
 
 
+@dataclass
+class _Wave:
+    """One wave of a save, precomputed: which bytes go where in the pack buffer, and the codec
+    groups. Whole tensors are copied by one fused multi-tensor copy into typed views of the pack
+    buffer shaped like them, so a warm save passes the caller's tensors as they are (no per-tensor
+    views or slices built per save: that was most of save()'s host time on states of many tensors)."""
+
+    chunks: list[ChunkRef]
+    offsets: list[int]
+    raw_sizes: list[int]
+    groups: list[tuple[Codec, int, int]]
+    """(codec, first, end) runs of chunks of one codec spec: one batched call each."""
+    whole: list[int]
+    whole_dsts: list[torch.Tensor]
+    pieces: list[tuple[int, int, int, torch.Tensor, Codec | None]]
+    """(leaf index, byte lo, byte hi, uint8 pack view, codec to pack with or None for a plain copy)."""
+
+    def pack(self, tensors: Sequence[torch.Tensor], contiguous: dict[int, torch.Tensor], chunk_size: int) -> None:
+        if self.whole:
+            torch._foreach_copy_(self.whole_dsts, [tensors[i] for i in self.whole])
+        for i, lo, hi, dst, codec in self.pieces:
+            src = contiguous.get(i)
+            if src is None:
+                t = tensors[i]
+                src = contiguous[i] = _bytes_of(t if t.is_contiguous() else t.contiguous())
+            if codec is None:
+                dst.copy_(src[lo:hi])
+            else:
+                codec.pack(dst, src[lo:hi], chunk_size)
+
+
+@dataclass
+class _Layout:
+    """A save's waves for one structure of state (`plans`, cached by the engine's PlanCache) and
+    one set of buffers; reused by every save of that structure."""
+
+    plans: Sequence[TensorPlan]
+    pack_ptr: int
+    rows: int
+    stride: int
+    nchunks: int
+    waves: list[_Wave]
+
+    def fits(self, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int) -> bool:
+        return self.plans is plans and self.pack_ptr == pack.data_ptr() and self.rows == rows and self.stride == stride
+
+    @classmethod
+    def build(cls, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int, chunk_size: int,
+              zstd: ZstdSettings) -> "_Layout":
+        chunks = chunk_refs(plans)
+        waves = []
+        for i, k in _wave_bounds([c.raw_size for c in chunks], pack.numel(), rows):
+            wave = chunks[i:k]
+            offsets: list[int] = []
+            whole: list[int] = []
+            whole_dsts: list[torch.Tensor] = []
+            parts: list[tuple[int, int, int, torch.Tensor, Codec | None]] = []
+            pos = 0
+            for plan, j0, n in pieces(wave):
+                codec = get_codec(plan.spec, zstd)
+                plain = type(codec).pack is Codec.pack
+                lo, hi = j0 * chunk_size, min(plan.nbytes, (j0 + n) * chunk_size)
+                if plain and lo == 0 and hi == plan.nbytes:
+                    whole.append(plan.index)
+                    whole_dsts.append(pack[pos:pos + hi].view(plan.dtype).view(plan.shape))
+                else:
+                    parts.append((plan.index, lo, hi, pack[pos:pos + hi - lo], None if plain else codec))
+                offsets.extend(pos + m * chunk_size for m in range(n))
+                pos = round_up(pos + hi - lo, _PACK_ALIGN)
+            groups: list[tuple[Codec, int, int]] = []
+            for a, c in enumerate(wave):
+                if groups and groups[-1][0].spec == c.plan.spec:
+                    groups[-1] = (groups[-1][0], groups[-1][1], a + 1)
+                else:
+                    groups.append((get_codec(c.plan.spec, zstd), a, a + 1))
+            waves.append(_Wave(wave, offsets, [c.raw_size for c in wave], groups, whole, whole_dsts, parts))
+        return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves)
+
+
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     ev = torch.cuda.Event()
     ev.record(stream)
     return ev
+
+
+def _file_runs(chunks: Sequence[Any]) -> list[tuple[int, int, list[int]]]:
+    """[(file offset, bytes, member positions)]: the chunks (ChunkRecords, in restore order)
+    grouped into runs that lie end to end in the data file, so each run is one read."""
+    runs: list[tuple[int, int, list[int]]] = []
+    for r, c in enumerate(chunks):
+        if runs and runs[-1][0] + runs[-1][1] == c.offset:
+            runs[-1][2].append(r)
+            runs[-1] = (runs[-1][0], runs[-1][1] + c.extent, runs[-1][2])
+        else:
+            runs.append((c.offset, c.extent, [r]))
+    return runs
 
 
 def _wave_bounds(raw_sizes: Sequence[int], pack_bytes: int, max_rows: int) -> list[tuple[int, int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,14 +18,19 @@ from tiered.tree import Leaf, path_str
 
 @dataclass(frozen=True)
 class TensorPlan:
+    """How one leaf is saved. Holds no tensor (the save's `SavePlan.tensors` does), so plans and
+    everything derived from them can be cached across saves without keeping old state alive."""
+
     index: int
     """Leaf number in the skeleton."""
     name: str
-    tensor: torch.Tensor
     spec: CodecSpec
     is_numpy: bool
     chunk_size: int
     nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
 
     @property
     def nchunks(self) -> int:
@@ -62,6 +68,8 @@ class SavePlan:
     gpu: dict[int, tuple[TensorPlan, ...]]
     """CUDA device index -> its tensors, grouped by codec spec (one batched call per group)."""
     cpu: tuple[TensorPlan, ...]
+    tensors: tuple[torch.Tensor, ...] = ()
+    """This save's tensors, by leaf index."""
 
     @property
     def all(self) -> tuple[TensorPlan, ...]:
@@ -90,11 +98,39 @@ def make_plan(leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: 
         t = leaf.tensor
         on_gpu = t.is_cuda and gpu_codecs
         spec = choose_codec(tier_codec, t.dtype, on_gpu)
-        p = TensorPlan(i, path_str(leaf.path), t, spec, leaf.is_numpy, chunk_size, t.numel() * t.element_size())
+        p = TensorPlan(i, path_str(leaf.path), spec, leaf.is_numpy, chunk_size, t.numel() * t.element_size(), t.dtype,
+                       tuple(t.shape), str(t.device))
         if on_gpu:
             gpu.setdefault(t.device.index, []).append(p)
         else:
             cpu.append(p)
     # Group by codec spec so each wave makes one batched codec call per spec; keep state order inside.
     grouped = {d: tuple(sorted(ps, key=lambda p: (p.spec.name, str(p.spec.configuration)))) for d, ps in gpu.items()}
-    return SavePlan(gpu=grouped, cpu=tuple(cpu))
+    return SavePlan(gpu=grouped, cpu=tuple(cpu), tensors=tuple(leaf.tensor for leaf in leaves))
+
+
+class PlanCache:
+    """The last save's plan, reused while the state keeps its structure.
+
+    Every save of a training run passes the same structure: the same keys, dtypes, shapes and
+    devices, with new values. Planning it again costs milliseconds of Python per save on states
+    of hundreds of tensors; the key below costs a fraction of that. The cached plan holds no
+    tensors. The devices cache their pack layouts on the identity of `SavePlan.gpu`'s groups.
+    """
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._plan: SavePlan | None = None
+
+    def plan(self, leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: bool) -> SavePlan:
+        key = (tier_codec, chunk_size, gpu_codecs,
+               tuple((leaf.path, leaf.tensor.dtype, leaf.tensor.shape, leaf.tensor.device, leaf.is_numpy)
+                     for leaf in leaves))
+        if self._plan is None or key != self._key:
+            plan = make_plan(leaves, tier_codec, chunk_size, gpu_codecs)
+            self._plan, self._key = SavePlan(gpu=plan.gpu, cpu=plan.cpu), key  # no tensors kept
+            return plan
+        return SavePlan(gpu=self._plan.gpu, cpu=self._plan.cpu, tensors=tuple(leaf.tensor for leaf in leaves))
+
+    def clear(self) -> None:
+        self._key = self._plan = None

@@ -215,9 +215,10 @@ class FastTierCodec:
             return
         copies = []
         for p, j in picks:
-            t = p.tensor if p.tensor.is_contiguous() else p.tensor.contiguous()
+            t = plan.tensors[p.index]
+            t = t if t.is_contiguous() else t.contiguous()
             piece = t.reshape(-1).view(torch.uint8)[j * chunk_size:j * chunk_size + p.raw_size(j)]
-            copies.append((p.tensor.dtype, piece.clone() if piece.is_cuda else piece.numpy().copy()))
+            copies.append((p.dtype, piece.clone() if piece.is_cuda else piece.numpy().copy()))
         ready = None
         if gpu_index is not None:
             ready = torch.cuda.Event()

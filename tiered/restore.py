@@ -150,29 +150,48 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
         # Every tensor through the CPU path, its chunks supplied by the slower tiers.
         on_cpu += [item for items in by_gpu.values() for item in items]
         by_gpu = {}
-    try:
-        for rec, dst in on_cpu:
-            if not rec.nbytes:
-                continue
-            reader, why = (None, f"{rec.codec.name} needs a GPU to decode") if rec.index in elsewhere else \
-                (host_reader, "the data file is missing")
-            if dst.device.type == "cpu" and dst.is_contiguous():
-                out = dst.reshape(-1).view(torch.uint8).numpy()
-                cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
-            else:
-                out = np.empty(rec.nbytes, dtype=np.uint8)
-                cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
-                dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
-    finally:
-        if host_reader is not None:
-            host_reader.close()
+    def decode_on_cpu() -> None:
+        try:
+            for rec, dst in on_cpu:
+                if not rec.nbytes:
+                    continue
+                reader, why = (None, f"{rec.codec.name} needs a GPU to decode") if rec.index in elsewhere else \
+                    (host_reader, "the data file is missing")
+                if dst.device.type == "cpu" and dst.is_contiguous():
+                    out = dst.reshape(-1).view(torch.uint8).numpy()
+                    cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
+                else:
+                    out = np.empty(rec.nbytes, dtype=np.uint8)
+                    cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
+                    dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
+        finally:
+            if host_reader is not None:
+                host_reader.close()
+
     if not by_gpu:
+        decode_on_cpu()
         return
     from tiered.gpu import device_reader
 
-    for dev, items in by_gpu.items():
-        reader = device_reader(tier, step, index.data_file)
+    # CPU tensors (optimizer step counters, RNG states: small, many) decode on a thread meanwhile.
+    failed: list[BaseException] = []
+
+    def run_cpu() -> None:
         try:
-            device(dev).restore(items, reader, index.chunk_size, repair)
-        finally:
-            reader.close()
+            decode_on_cpu()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=run_cpu, name="tiered-restore-cpu", daemon=True)
+    worker.start()
+    try:
+        for dev, items in by_gpu.items():
+            reader = device_reader(tier, step, index.data_file)
+            try:
+                device(dev).restore(items, reader, index.chunk_size, repair)
+            finally:
+                reader.close()
+    finally:
+        worker.join()
+    if failed:
+        raise failed[0]
