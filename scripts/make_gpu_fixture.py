@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Make tests/data/gpu-migrated: a step saved from a GPU (nvCOMP ANS through KvikIO) and migrated
-by the background migrator to a portable tier (ANS decoded and re-encoded as zstd on the GPU).
+by the background migrator to a portable tier (ANS decoded on the GPU, re-encoded as zstd on the CPU).
 
 CPU-only CI then uploads that step, byte for byte, to S3 (SeaweedFS) and restores it without a
 GPU (tests/test_cli.py::test_gpu_made_s3_copy_restores_without_a_gpu).

@@ -292,8 +292,8 @@ GPU_MIGRATED = Path(__file__).resolve().parent / "data" / "gpu-migrated"
 
 
 def test_gpu_made_s3_copy_restores_without_a_gpu(tmp_path, s3_server, s3_bucket):
-    """tests/data/gpu-migrated holds a step saved on a GPU (ANS) and migrated there to zstd on the
-    GPU (scripts/make_gpu_fixture.py; see its PROVENANCE.json). Uploaded to S3 byte for byte, it
+    """tests/data/gpu-migrated holds a step saved on a GPU (ANS) and migrated there to zstd (ANS
+    decoded on the GPU, zstd encoded on the CPU; scripts/make_gpu_fixture.py, PROVENANCE.json). Uploaded to S3 byte for byte, it
     restores on this machine, which has no GPU codecs."""
     import json
 
