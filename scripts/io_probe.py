@@ -17,26 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import drop_caches  # noqa: E402
+
 MiB = 1 << 20
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def kvikio_write(path: Path, buf: torch.Tensor, request: int, threads: int | None, task: int | None,
-                 direct: bool | None) -> float:
+def kvikio_io(path: Path, buf: torch.Tensor, request: int, threads: int | None, task: int | None,
+              direct: bool | None, write: bool) -> float:
+    """Seconds to write `buf` to `path` (then fsync) or read it back, in `request`-sized KvikIO
+    calls issued at once, with the given KvikIO settings (None: KvikIO's default)."""
     import kvikio
     import kvikio.defaults
 
@@ -46,42 +43,22 @@ def kvikio_write(path: Path, buf: torch.Tensor, request: int, threads: int | Non
     if task is not None:
         settings["task_size"] = task
     if direct is not None:
-        settings["auto_direct_io_write"] = direct
+        settings["auto_direct_io_write" if write else "auto_direct_io_read"] = direct
     with kvikio.defaults.set(settings) if settings else _null():
         t0 = time.perf_counter()
-        f = kvikio.CuFile(str(path), "w")
-        futs = [f.pwrite(buf[o:o + request], size=min(request, buf.numel() - o), file_offset=o)
+        f = kvikio.CuFile(str(path), "w" if write else "r")
+        call = f.pwrite if write else f.pread
+        futs = [call(buf[o:o + request], size=min(request, buf.numel() - o), file_offset=o)
                 for o in range(0, buf.numel(), request)]
         for fut in futs:
             fut.get()
         f.close()
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        return time.perf_counter() - t0
-
-
-def kvikio_read(path: Path, buf: torch.Tensor, request: int, threads: int | None, task: int | None,
-                direct: bool | None) -> float:
-    import kvikio
-    import kvikio.defaults
-
-    settings = {}
-    if threads is not None:
-        settings["num_threads"] = threads
-    if task is not None:
-        settings["task_size"] = task
-    if direct is not None:
-        settings["auto_direct_io_read"] = direct
-    with kvikio.defaults.set(settings) if settings else _null():
-        t0 = time.perf_counter()
-        f = kvikio.CuFile(str(path), "r")
-        futs = [f.pread(buf[o:o + request], size=min(request, buf.numel() - o), file_offset=o)
-                for o in range(0, buf.numel(), request)]
-        for fut in futs:
-            fut.get()
-        f.close()
-        torch.cuda.synchronize()
+        if write:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        else:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
 
@@ -195,18 +172,18 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     path = root / "probe.bin"
     writes = {
-        "kvikio 1MiB requests, defaults": lambda: kvikio_write(path, buf, MiB, None, None, None),
-        "kvikio 256MiB requests, defaults": lambda: kvikio_write(path, buf, 256 * MiB, None, None, None),
-        "kvikio 256MiB requests, 4 threads 16MiB tasks": lambda: kvikio_write(path, buf, 256 * MiB, 4, 16 * MiB, None),
-        "kvikio 256MiB requests, 4 threads 16MiB tasks, direct": lambda: kvikio_write(path, buf, 256 * MiB, 4, 16 * MiB, True),
+        "kvikio 1MiB requests, defaults": lambda: kvikio_io(path, buf, MiB, None, None, None, True),
+        "kvikio 256MiB requests, defaults": lambda: kvikio_io(path, buf, 256 * MiB, None, None, None, True),
+        "kvikio 256MiB requests, 4 threads 16MiB tasks": lambda: kvikio_io(path, buf, 256 * MiB, 4, 16 * MiB, None, True),
+        "kvikio 256MiB requests, 4 threads 16MiB tasks, direct": lambda: kvikio_io(path, buf, 256 * MiB, 4, 16 * MiB, True, True),
         "pinned D2H + O_DIRECT, 16MiB blocks, 4 threads": lambda: staged_write(path, buf, 16 * MiB, 4, 8),
         "pinned D2H + O_DIRECT, 64MiB blocks, 4 threads": lambda: staged_write(path, buf, 64 * MiB, 4, 8),
     }
     reads = {
-        "kvikio 1MiB requests, defaults": lambda: kvikio_read(path, back, MiB, None, None, None),
-        "kvikio 256MiB requests, defaults": lambda: kvikio_read(path, back, 256 * MiB, None, None, None),
-        "kvikio 256MiB requests, 4 threads 16MiB tasks": lambda: kvikio_read(path, back, 256 * MiB, 4, 16 * MiB, None),
-        "kvikio 256MiB requests, 4 threads 16MiB tasks, direct": lambda: kvikio_read(path, back, 256 * MiB, 4, 16 * MiB, True),
+        "kvikio 1MiB requests, defaults": lambda: kvikio_io(path, back, MiB, None, None, None, False),
+        "kvikio 256MiB requests, defaults": lambda: kvikio_io(path, back, 256 * MiB, None, None, None, False),
+        "kvikio 256MiB requests, 4 threads 16MiB tasks": lambda: kvikio_io(path, back, 256 * MiB, 4, 16 * MiB, None, False),
+        "kvikio 256MiB requests, 4 threads 16MiB tasks, direct": lambda: kvikio_io(path, back, 256 * MiB, 4, 16 * MiB, True, False),
         "O_DIRECT + pinned H2D, 16MiB blocks, 4 threads": lambda: staged_read(path, back, 16 * MiB, 4, 8),
         "O_DIRECT + pinned H2D, 64MiB blocks, 4 threads": lambda: staged_read(path, back, 64 * MiB, 4, 8),
     }
