@@ -287,9 +287,11 @@ class _Validator:
         return val
 
     def hex64(self, doc: Mapping[str, Any], key: str, where: str = "") -> int:
-        val = doc.get(key)
+        return self.hex64_value(doc.get(key), f"{where}{key}")
+
+    def hex64_value(self, val: Any, what: str) -> int:
         if not isinstance(val, str) or not _HEX64.fullmatch(val):
-            raise FormatError(f"{self.source}: {where}{key} = {val!r} is not a 64-bit hex checksum")
+            raise FormatError(f"{self.source}: {what} = {val!r} is not a 64-bit hex checksum")
         return int(val, 16)
 
     def tensor(self, t: Any, i: int, chunk_size: int, data_bytes: int, end: int) -> tuple[TensorRecord, int]:
@@ -324,7 +326,6 @@ class _Validator:
             raise FormatError(f"{self.source}: {where}bad {codec['name']} configuration: {exc}") from None
         chunks_raw = self.list(t, "chunks", where)
         chunks = []
-        match = _HEX64.fullmatch
         for j, c in enumerate(chunks_raw):
             # type() rather than isinstance(): bool is not an int here, and this loop runs per chunk.
             if type(c) is not list or len(c) != 4:
@@ -332,8 +333,7 @@ class _Validator:
             off, size, raw_size, crc = c
             if type(off) is not int or type(size) is not int or type(raw_size) is not int or type(crc) is not str:
                 raise FormatError(f"{self.source}: {where}chunk {j} is malformed")
-            if not match(crc):
-                raise FormatError(f"{self.source}: {where}chunk {j} c = {crc!r} is not a 64-bit hex checksum")
+            crc_value = self.hex64_value(crc, f"{where}chunk {j} c")
             extent = -(-size // ALIGNMENT) * ALIGNMENT
             if off % ALIGNMENT or off < end or size < 0 or off + extent > data_bytes:
                 raise FormatError(f"{self.source}: {where}chunk {j} at offset {off} size {size} lies outside "
@@ -341,7 +341,7 @@ class _Validator:
             if not 0 < raw_size <= chunk_size:
                 raise FormatError(f"{self.source}: {where}chunk {j} raw size {raw_size} not in (0, {chunk_size}]")
             end = off + extent
-            chunks.append(ChunkRecord(off, size, raw_size, int(crc, 16)))
+            chunks.append(ChunkRecord(off, size, raw_size, crc_value))
         rec = TensorRecord(index=self.int(t, "index", 0, 1 << 31), name=name, dtype=dtype, shape=tuple(shape),
                            device=str(t.get("device", "cpu")), is_numpy=bool(t.get("numpy", False)),
                            codec=CodecSpec.of(codec["name"], **codec.get("configuration", {})),

@@ -389,7 +389,7 @@ class GpuDevice:
         n = len(refs)
         rows = slab[:n * stride].view(n, stride)
         dsts, srcs, pos = [], [], 0
-        for _, nbytes, members in runs:
+        for _, _, members in runs:
             for r in members:
                 extent = refs[r][0].chunks[refs[r][2]].extent
                 dsts.append(rows[r, :extent])

@@ -131,6 +131,3 @@ class PlanCache:
             self._plan, self._key = SavePlan(gpu=plan.gpu, cpu=plan.cpu), key  # no tensors kept
             return plan
         return SavePlan(gpu=self._plan.gpu, cpu=self._plan.cpu, tensors=tuple(leaf.tensor for leaf in leaves))
-
-    def clear(self) -> None:
-        self._key = self._plan = None
