@@ -118,6 +118,35 @@ class TierContract:
         self.write_step(tier, 10, extents(1))
         assert tier.steps() == [9, 10]
 
+    def test_ranks_write_beside_each_other(self, tier):
+        # Two ranks of one step in one place: each clears only its own leftovers.
+        def write_rank(rank: int, parts: list[bytes]) -> None:
+            tier.begin_rank(11, rank)
+            w = tier.open_data_writer(11, f"rank_{rank:05d}.data", device=False)
+            off = 0
+            for p in parts:
+                w.write_host(off, memoryview(p))
+                off += len(p)
+            w.close()
+            tier.write_file(11, f"rank_{rank:05d}.index.json", b'{"rank": %d}' % rank)
+
+        write_rank(0, extents(1))
+        write_rank(1, extents(2, seed=3))
+        write_rank(1, extents(1, seed=4))  # rank 1 starts over: rank 0's files stay
+        assert tier.file_size(11, "rank_00000.index.json") == len(b'{"rank": 0}')
+        assert tier.file_size(11, "rank_00001.data") == len(extents(1, seed=4)[0])
+        assert tier.file_size(11, "rank_00002.index.json") is None
+        tier.discard_rank(11, 1)
+        assert tier.file_size(11, "rank_00001.index.json") is None
+        assert tier.file_size(11, "rank_00000.data") == len(extents(1)[0])
+        write_rank(1, extents(1, seed=5))
+        tier.commit(11, b'{"manifest": 11}')
+        with pytest.raises(TieredError, match="already committed"):
+            tier.begin_rank(11, 1)
+        tier.discard_rank(11, 0)  # never in a committed step
+        assert tier.file_size(11, "rank_00000.data") == len(extents(1)[0])
+        assert tier.steps() == [11]
+
 
 class TestLocalTier(TierContract):
     @pytest.fixture

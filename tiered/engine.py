@@ -27,7 +27,7 @@ from tiered import checksum, cpu, tree
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, FormatError,
                            StateDictError, TieredError)
-from tiered.format import (ALIGNMENT, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
+from tiered.format import (ALIGNMENT, read_manifest, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
                            data_file_name, dtype_name, index_file_name)
 from tiered.plan import PlanCache, SavePlan
 from tiered.staging import HostPool
@@ -88,6 +88,8 @@ class _Job:
     """Set when save() has staged everything, or must wait for the writer to free memory.
     Until then the writer leaves the job alone, so it does not contend with save() for the GIL."""
     started: float = field(default_factory=time.perf_counter)
+    rank_only: bool = False
+    """Write this rank's files only; the step is committed by the distributed save (tiered.dcp)."""
 
     def drop_tensors(self) -> None:
         """Forget the saved tensors once the step is written (or has failed): the engine must not
@@ -96,7 +98,8 @@ class _Job:
 
 
 class Engine:
-    """Checkpoint engine for one process (rank 0 of a world of 1 until torch.distributed support).
+    """Checkpoint engine, one per process. Under torch.distributed (more than one rank), save and
+    restore go through DCP's planner and tiered.dcp's storage (see tiered.distributed).
 
     Use as a context manager, or call `close()`: it waits for in-flight saves.
     """
@@ -128,6 +131,7 @@ class Engine:
 
         self._codec = FastTierCodec(config, self.tier, self._pool, self._host, self._gpu_ready)
         self._migrator: Any = None
+        self._dist: Any = None
         if len(config.tiers) > 1 and config.migration == "in_process":
             from tiered.migrator import BackgroundMigrator, make_gpu_recoder
 
@@ -221,9 +225,30 @@ class Engine:
         Raises the failure of an earlier save's background work, if any, before starting.
         """
         with self._api_lock:
+            if self._distributed():
+                self._check_open()
+                self._raise_background_error()
+                if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                    raise ValueError(f"step must be a non-negative integer, got {step!r}")
+                return self._dist.save(step, state_dict)
             return self._save(step, state_dict)
 
-    def _save(self, step: int, state_dict: Any) -> SaveHandle:
+    def _distributed(self) -> bool:
+        """torch.distributed runs with several ranks: saves and restores go through DCP (tiered.distributed)."""
+        if self._dist is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                return False
+            from tiered.distributed import DistributedSaver
+
+            self._dist = DistributedSaver(self)
+        return True
+
+    def _save(self, step: int, state_dict: Any, *, rank_only: bool = False) -> SaveHandle:
+        """Stage `state_dict` and queue its writing. With `rank_only`, the writer stops after this
+        rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
+        save that commits the step once every rank's files are durable."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_background_error()
@@ -234,10 +259,13 @@ class Engine:
                 raise TieredError(f"step {step} is already being saved")
         skeleton, leaves = tree.flatten(state_dict)
         plan = self._plans.plan(leaves, self._codec.codec, self.config.chunk_size, self._gpu_ready)
-        self.tier.begin_step(step)
+        if rank_only:
+            self.tier.begin_rank(step, self.rank)
+        else:
+            self.tier.begin_step(step)
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
-        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu))
+        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu), rank_only=rank_only)
         with self._lock:
             self._inflight[step] = handle
         self._jobs.put(job)
@@ -295,6 +323,8 @@ class Engine:
             self._closed = True
             self._jobs.put(None)
             self._writer.join()
+            if self._dist is not None:
+                self._dist.close()
             self._codec.join()
             if self._migrator is not None:
                 self._migrator.stop()  # queued migrations finish first; a crash resumes next run
@@ -320,9 +350,19 @@ class Engine:
         self._raise_background_error()
         t0 = time.perf_counter()
         with self._api_lock:
+            if self._distributed():
+                from tiered.distributed import agree_on_step
+
+                step = agree_on_step(step, lambda: self._sources(None, tier)[0])
             step, order = self._sources(step, tier)
-            loaded, source = self._load(step, state_dict, strict=strict, device=None, order=order)
-            tree.merge_into(state_dict, loaded)
+            if read_manifest(order[0], step).dcp is not None:
+                from tiered.distributed import restore_dcp
+
+                restore_dcp(self, state_dict, step, strict=strict, tier=tier)
+                source = order[0].name
+            else:
+                loaded, source = self._load(step, state_dict, strict=strict, device=None, order=order)
+                tree.merge_into(state_dict, loaded)
         log.info("tiered: restored step %d from tier %r in %.2f s", step, source, time.perf_counter() - t0)
         return step
 
@@ -366,7 +406,12 @@ class Engine:
     def read_index(self, step: int, tier: str | None = None) -> tuple[Manifest, RankIndex]:
         """A committed step's manifest and this rank's index, validated and cross-checked."""
         manifest, indexes = read_step(self.get_tier(tier), step)
-        return manifest, indexes[self.rank]
+        if manifest.world_size == 1:
+            return manifest, indexes[0]
+        found = [i for i in indexes if i.rank == self.rank]
+        if not found:
+            raise CheckpointNotFoundError(f"step {step} has no files of rank {self.rank}")
+        return manifest, found[0]
 
     def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None,
               order: list[Any]) -> tuple[Any, str]:
@@ -374,7 +419,12 @@ class Engine:
         damaged chunks. Returns (state, name of the tier read)."""
         for i, tier in enumerate(order):
             try:
-                index = read_step(tier, step)[1][self.rank]
+                manifest, indexes = read_step(tier, step)
+                if manifest.dcp is not None:
+                    raise FormatError(f"{tier.describe(step, 'MANIFEST.json')}: step {step} was saved through "
+                                      "torch.distributed.checkpoint: load it into a state_dict with Engine.restore "
+                                      "or dcp.load(..., storage_reader=tiered.dcp.TieredStorageReader(...))")
+                index = indexes[0]  # saved by one process; every rank restores the same state
                 break
             except (TieredError, OSError) as exc:
                 if i + 1 == len(order):
@@ -383,7 +433,7 @@ class Engine:
                             tier.name, exc, order[i + 1].name)
         from tiered.restore import ChunkRepair, decode_rank
 
-        repair = ChunkRepair(step, self.rank, tier.name, order[i + 1:], self.config.zstd, index.chunk_size)
+        repair = ChunkRepair(step, 0, tier.name, order[i + 1:], self.config.zstd, index.chunk_size)
         _, leaves = tree.flatten(target)
         targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
         dests: dict[int, torch.Tensor] = {}
@@ -412,9 +462,16 @@ class Engine:
             return tree.decode(index.skeleton,
                                lambda i: dests[i].numpy() if i in numpy_leaves else dests[i]), tier.name
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise FormatError(f"{tier.describe(step, index_file_name(self.rank))}: skeleton: {exc}") from None
+            raise FormatError(f"{tier.describe(step, index_file_name(0))}: skeleton: {exc}") from None
 
     # --- internals -----------------------------------------------------------------------
+    def _bind_rank(self, rank: int, world_size: int) -> None:
+        """This engine writes rank `rank`'s files of a world of `world_size` (torch.distributed)."""
+        if (rank, world_size) != (self.rank, self.world_size):
+            with self._lock:
+                if self._inflight:
+                    raise TieredError(f"cannot become rank {rank} of {world_size} with saves in flight")
+            self.rank, self.world_size = rank, world_size
 
     def _device(self, index: int):
         dev = self._devices.get(index)
@@ -449,7 +506,8 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
             _drain(job)
             job.drop_tensors()
-            self.tier.discard(job.step)  # uncommitted: invisible anyway; frees the space
+            # Uncommitted: invisible anyway; frees the space.
+            self.tier.discard_rank(job.step, self.rank) if job.rank_only else self.tier.discard(job.step)
             err = BackgroundSaveError(job.step, exc)
             if not job.aborted:
                 log.error("tiered: %s", err)
@@ -461,7 +519,7 @@ class Engine:
             job.handle.persisted.set_exception(err)
             return
         job.drop_tensors()
-        if self._migrator is not None:  # queued before anyone can see the step persisted, so
+        if self._migrator is not None and not job.rank_only:  # queued before anyone can see the step persisted, so
             self._migrator.submit(job.step)  # wait_migrated() after wait() always covers it
         with self._lock:
             self._inflight.pop(job.step, None)
@@ -474,7 +532,23 @@ class Engine:
         if self._migrator is not None:
             self._migrator.wait(timeout)
 
-    def _write(self, job: _Job) -> Manifest:
+    def _write(self, job: _Job) -> "Manifest | RankFiles":
+        """Write the job's rank files; then, unless it is rank_only, commit the step."""
+        files = self._write_rank(job)
+        if job.rank_only:
+            return files
+        manifest = Manifest(
+            step=job.step, world_size=self.world_size, ranks=(files.entry,), raw_bytes=files.raw_bytes,
+            stored_bytes=files.stored_bytes, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            writer=f"tiered {_version()}")
+        self.tier.commit(job.step, manifest.to_json())
+        log.info("tiered: step %d committed: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s [%s]",
+                 job.step, format_size(job.handle.raw_bytes), format_size(files.stored_bytes),
+                 100 * manifest.saved_fraction, 1e3 * job.handle.stall_s, time.perf_counter() - job.started,
+                 files.index.io)
+        return manifest
+
+    def _write_rank(self, job: _Job) -> "RankFiles":
         job.go.wait()
         data_name = data_file_name(self.rank)
         writer = self.tier.open_data_writer(job.step, data_name, device=job.device_io)
@@ -529,17 +603,20 @@ class Engine:
         raw_index = index.to_json()
         index_name = index_file_name(self.rank)
         self.tier.write_file(job.step, index_name, raw_index)
-        stored = sum(c.size for cs in chunks.values() for c in cs)
-        manifest = Manifest(
-            step=job.step, world_size=self.world_size,
-            ranks=(RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name, data_bytes),),
-            raw_bytes=job.handle.raw_bytes, stored_bytes=stored,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), writer=f"tiered {_version()}")
-        self.tier.commit(job.step, manifest.to_json())
-        log.info("tiered: step %d committed: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s [%s]",
-                 job.step, format_size(job.handle.raw_bytes), format_size(stored), 100 * manifest.saved_fraction,
-                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, writer.io_mode)
-        return manifest
+        return RankFiles(entry=RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name,
+                                         data_bytes),
+                         index=index, raw_bytes=job.handle.raw_bytes,
+                         stored_bytes=sum(c.size for cs in chunks.values() for c in cs))
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """One rank's durable files of a step, before the step is committed."""
+
+    entry: RankEntry
+    index: RankIndex
+    raw_bytes: int
+    stored_bytes: int
 
 
 def _write_rows(seg: Any, writer: Any, place: Any) -> None:

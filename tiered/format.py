@@ -64,6 +64,11 @@ def index_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.index.json"
 
 
+def rank_file_names(rank: int) -> tuple[str, str]:
+    """The data file and the index of one rank."""
+    return data_file_name(rank), index_file_name(rank)
+
+
 def safe_name(name: object, source: str, what: str) -> str:
     """A plain file name inside the step directory: no separators, no '..', no absolute paths."""
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
@@ -204,14 +209,26 @@ class RankEntry:
 
 
 @dataclass(frozen=True)
+class FileEntry:
+    """A small file of the step pinned by the manifest (the DCP metadata)."""
+
+    name: str
+    size: int
+    checksum: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int
     world_size: int
     ranks: tuple[RankEntry, ...]
+    """One entry per rank that stored anything (a rank DCP's planner gave nothing to write has none)."""
     raw_bytes: int
     stored_bytes: int
     created: str
     writer: str = ""
+    dcp: FileEntry | None = None
+    """Saved through torch.distributed.checkpoint: its metadata (tiered.dcp) is in this file."""
     version: int = FORMAT_VERSION
 
     @property
@@ -227,6 +244,8 @@ class Manifest:
                        "index_checksum": f"{r.index_checksum:016x}", "data_file": r.data_file,
                        "data_bytes": r.data_bytes} for r in self.ranks],
         }
+        if self.dcp is not None:
+            doc["dcp"] = {"file": self.dcp.name, "bytes": self.dcp.size, "checksum": f"{self.dcp.checksum:016x}"}
         return json.dumps(doc, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -243,11 +262,25 @@ class Manifest:
                 index_bytes=v.int(r, "index_bytes", 1, MAX_INDEX_BYTES), index_checksum=v.hex64(r, "index_checksum"),
                 data_file=safe_name(r.get("data_file"), source, "data_file"),
                 data_bytes=v.int(r, "data_bytes", 0, 1 << 50)))
-        if sorted(r.rank for r in ranks) != list(range(world)):
-            raise FormatError(f"{source}: manifest lists ranks {[r.rank for r in ranks]} for world_size {world}")
+        dcp = None
+        if doc.get("dcp") is not None:
+            d = doc["dcp"]
+            if not isinstance(d, dict):
+                raise FormatError(f"{source}: dcp is not an object")
+            dcp = FileEntry(safe_name(d.get("file"), source, "dcp file"), v.int(d, "bytes", 1, MAX_MANIFEST_BYTES, "dcp."),
+                            v.hex64(d, "checksum", "dcp."))
+        numbers = sorted(r.rank for r in ranks)
+        # A step saved by one process lists its one rank; one saved through DCP lists each rank
+        # that stored anything (DCP's planner may give a rank nothing to write).
+        if len(set(numbers)) != len(numbers) or (dcp is None and numbers != list(range(world))) or not numbers:
+            raise FormatError(f"{source}: manifest lists ranks {numbers} for world_size {world}")
         return cls(step=v.int(doc, "step", 0, 1 << 62), world_size=world, ranks=tuple(ranks),
                    raw_bytes=v.int(doc, "raw_bytes", 0, 1 << 62), stored_bytes=v.int(doc, "stored_bytes", 0, 1 << 62),
-                   created=str(doc.get("created", "")), writer=str(doc.get("writer", "")), version=doc["version"])
+                   created=str(doc.get("created", "")), writer=str(doc.get("writer", "")), dcp=dcp,
+                   version=doc["version"])
+
+    def entry(self, rank: int) -> RankEntry | None:
+        return next((r for r in self.ranks if r.rank == rank), None)
 
 
 def chunk_corruption(path: str, rec: TensorRecord, j: int, what: str) -> CorruptionError:
@@ -354,20 +387,36 @@ class _Validator:
         return rec, end
 
 
-def read_step(tier: Any, step: int) -> tuple[Manifest, list[RankIndex]]:
-    """The manifest and every rank's index of a committed step, validated and cross-checked."""
-    source = tier.describe(step, "MANIFEST.json")
+def read_manifest(tier: Any, step: int) -> Manifest:
+    """A committed step's manifest, validated."""
+    source = tier.describe(step, MANIFEST_NAME)
     manifest = Manifest.from_json(tier.read_manifest(step), source)
     if manifest.step != step:
         raise FormatError(f"{source}: manifest says step {manifest.step}")
-    indexes = []
-    for entry in manifest.ranks:
-        raw = tier.read_file(step, entry.index_file, MAX_INDEX_BYTES)
-        where = tier.describe(step, entry.index_file)
-        if len(raw) != entry.index_bytes or checksum.wsum64(raw) != entry.index_checksum:
-            raise FormatError(f"{where}: index does not match the manifest's size/checksum (corrupted)")
-        index = RankIndex.from_json(raw, where)
-        if index.data_file != entry.data_file or index.data_bytes != entry.data_bytes:
-            raise FormatError(f"{where}: index and manifest disagree about the data file")
-        indexes.append(index)
-    return manifest, indexes
+    return manifest
+
+
+def read_rank_index(tier: Any, step: int, entry: RankEntry) -> RankIndex:
+    """One rank's index, checked against its manifest entry."""
+    raw = tier.read_file(step, entry.index_file, MAX_INDEX_BYTES)
+    where = tier.describe(step, entry.index_file)
+    if len(raw) != entry.index_bytes or checksum.wsum64(raw) != entry.index_checksum:
+        raise FormatError(f"{where}: index does not match the manifest's size/checksum (corrupted)")
+    index = RankIndex.from_json(raw, where)
+    if index.data_file != entry.data_file or index.data_bytes != entry.data_bytes or index.rank != entry.rank:
+        raise FormatError(f"{where}: index and manifest disagree about the rank or its data file")
+    return index
+
+
+def read_pinned(tier: Any, step: int, entry: FileEntry) -> bytes:
+    """A small file the manifest pins by size and checksum."""
+    raw = tier.read_file(step, entry.name, MAX_MANIFEST_BYTES)
+    if len(raw) != entry.size or checksum.wsum64(raw) != entry.checksum:
+        raise FormatError(f"{tier.describe(step, entry.name)}: does not match the manifest's size/checksum (corrupted)")
+    return raw
+
+
+def read_step(tier: Any, step: int) -> tuple[Manifest, list[RankIndex]]:
+    """The manifest and every rank's index of a committed step, validated and cross-checked."""
+    manifest = read_manifest(tier, step)
+    return manifest, [read_rank_index(tier, step, entry) for entry in manifest.ranks]

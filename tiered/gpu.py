@@ -58,7 +58,10 @@ class RowsSegment:
         self.ready.synchronize()
         out: list[int] = []
         for pending, n in self.pendings:
-            got = pending.sizes()
+            # On the writer thread, whose current device is cuda:0 whatever GPU this rank uses:
+            # nvCOMP's batch must be read on its own device.
+            with torch.cuda.device(self.device.index):
+                got = pending.sizes()
             if len(got) != n:
                 raise RuntimeError(f"codec returned {len(got)} sizes for {n} chunks")
             out.extend(got)

@@ -35,7 +35,8 @@ from tiered.codecs import get_codec, get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
 from tiered.cpu import decode_into, pad_extent, read_chunk, read_windows, stored_extent, verified
 from tiered.errors import CodecUnavailableError, TieredError
-from tiered.format import ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord, read_step
+from tiered.format import (MAX_INDEX_BYTES, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord,
+                           index_file_name, read_manifest, read_pinned, read_rank_index, read_step)
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.units import format_rate, format_size
@@ -65,6 +66,8 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     """
     if dst.has_step(step):
         return None
+    if read_manifest(src, step).dcp is not None:
+        return _migrate_ranks(step, src, dst, codec=codec, settings=settings, pool=pool, gpu=gpu, progress=progress)
     t0 = time.perf_counter()
     manifest, indexes = read_step(src, step)
     own_pool = pool is None
@@ -92,6 +95,65 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     log.info("tiered: step %d migrated %s -> %s: %s stored (%.1f%% saved) in %.2f s", step, src.name, dst.name,
              format_size(stored), 100 * new_manifest.saved_fraction, time.perf_counter() - t0)
     return new_manifest
+
+
+def present_ranks(src: Any, step: int) -> tuple[Manifest, list[RankIndex]]:
+    """A committed step's manifest and the indexes of the ranks whose files `src` holds. A step
+    saved by several nodes is committed on each node's local tier with that node's ranks only."""
+    manifest = read_manifest(src, step)
+    if manifest.dcp is None:
+        return read_step(src, step)
+    return manifest, [read_rank_index(src, step, e) for e in manifest.ranks
+                      if src.file_size(step, e.index_file) is not None]
+
+
+def _migrate_ranks(step: int, src: Any, dst: Any, *, codec, settings, pool, gpu, progress) -> Manifest | None:
+    """Migrate a step saved through DCP: copy the ranks whose files `src` holds (this node's),
+    then commit on `dst` if every rank's files are there by now. Nodes do this independently;
+    whichever finishes last commits (the same bytes, whoever writes them)."""
+    t0 = time.perf_counter()
+    manifest, indexes = present_ranks(src, step)
+    own_pool = pool is None
+    pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
+    begun = []
+    try:
+        for index in indexes:
+            dst.begin_rank(step, index.rank)
+            begun.append(index.rank)
+            new_index = _copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
+            dst.write_file(step, index_file_name(index.rank), new_index.to_json())
+        if dst.file_size(step, manifest.dcp.name) != manifest.dcp.size:
+            dst.write_file(step, manifest.dcp.name, read_pinned(src, step, manifest.dcp))
+    except BaseException:
+        for rank in begun:
+            dst.discard_rank(step, rank)
+        raise
+    finally:
+        if own_pool:
+            pool.shutdown()
+    missing = [e.rank for e in manifest.ranks if dst.file_size(step, e.index_file) is None]
+    if missing:
+        log.info("tiered: step %d: ranks %s copied to %s in %.2f s; the step commits there once ranks %s (other "
+                 "nodes) have copied theirs", step, [i.rank for i in indexes], dst.name, time.perf_counter() - t0,
+                 _summary(missing))
+        return None
+    ranks, stored = [], 0
+    for e in manifest.ranks:
+        raw = dst.read_file(step, e.index_file, MAX_INDEX_BYTES)
+        index = RankIndex.from_json(raw, dst.describe(step, e.index_file))
+        stored += sum(t.stored_bytes for t in index.tensors)
+        ranks.append(RankEntry(e.rank, e.index_file, len(raw), checksum.wsum64(raw), index.data_file, index.data_bytes))
+    new_manifest = replace(manifest, ranks=tuple(ranks), stored_bytes=stored)
+    if not dst.has_step(step):
+        dst.commit(step, new_manifest.to_json())
+    log.info("tiered: step %d migrated %s -> %s (%d ranks here, all %d there): %s stored (%.1f%% saved) in %.2f s",
+             step, src.name, dst.name, len(indexes), len(ranks), format_size(stored), 100 * new_manifest.saved_fraction,
+             time.perf_counter() - t0)
+    return new_manifest
+
+
+def _summary(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"{ranks[:8]}... ({len(ranks)} ranks)"
 
 
 def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
@@ -262,7 +324,7 @@ def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, 
     step's own chunks (kept chunks cost no encode time)."""
     if dst_config.codec != AUTO:
         return dst_config.codec
-    manifest, indexes = read_step(src, step)
+    manifest, indexes = present_ranks(src, step)
     sample = Sample()
     for index in indexes:
         recs = [r for r in index.tensors if r.chunks]

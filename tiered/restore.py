@@ -22,7 +22,7 @@ from tiered import cpu
 from tiered.codecs import get_codec_class
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError, FormatError, TieredError
-from tiered.format import RankIndex, TensorRecord, read_step
+from tiered.format import RankIndex, TensorRecord, read_manifest, read_rank_index
 
 log = logging.getLogger("tiered")
 _DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
@@ -48,8 +48,12 @@ class ChunkRepair:
     def _records(self, tier: Any) -> dict[str, TensorRecord] | None:
         if tier.name not in self._indexes:
             try:
-                index = read_step(tier, self.step)[1][self.rank]
-            except (TieredError, OSError, IndexError) as exc:
+                manifest = read_manifest(tier, self.step)
+                entry = manifest.entry(self.rank)
+                if entry is None:
+                    raise FormatError(f"step {self.step} has no files of rank {self.rank} there")
+                index = read_rank_index(tier, self.step, entry)
+            except (TieredError, OSError) as exc:
                 log.warning("tiered: step %d: tier %r cannot stand in for %r: %s", self.step, tier.name,
                             self.failed, exc)
                 self._indexes[tier.name] = None

@@ -12,6 +12,11 @@ step without one does not exist for any reader):
     tier.discard(step)                            # instead of commit, after a failure
     tier.delete(step)                             # retention: uncommit (manifest first), then remove
 
+Several ranks writing one step into one place (torch.distributed): each calls
+``tier.begin_rank(step, rank)`` instead of begin_step and ``discard_rank`` instead of discard, so
+that no rank removes another's files; one rank commits once every rank's files are durable
+(``file_size`` tells which are there).
+
 Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
 ``open_data_reader`` take names validated by tiered.format (plain names inside the step).
 """
@@ -68,6 +73,16 @@ class Tier(Protocol):
 
     def discard(self, step: int) -> None:
         """Remove an uncommitted step's files after a failed save; never touches a committed step."""
+
+    def begin_rank(self, step: int, rank: int) -> None:
+        """As begin_step for one rank of a step that several ranks (processes, nodes) write into
+        one place: refuses a committed step and clears only this rank's leftovers."""
+
+    def discard_rank(self, step: int, rank: int) -> None:
+        """As discard, for one rank's files only."""
+
+    def file_size(self, step: int, name: str) -> int | None:
+        """Bytes of a file of the step, None where it is missing."""
 
     def delete(self, step: int) -> None:
         """Delete a committed step (retention): the manifest first, then the files."""

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format import ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, safe_name, step_dir_name
+from tiered.format import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
+                           step_dir_name)
 
 log = logging.getLogger("tiered")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -354,6 +356,34 @@ class LocalTier:
         except OSError as exc:
             raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
 
+    def begin_rank(self, step: int, rank: int) -> None:
+        """Start one rank's files of a step that several ranks write into one directory: refuse a
+        committed step, remove only this rank's leftovers (others may be writing beside it)."""
+        d = self.step_dir(step)
+        if (d / MANIFEST_NAME).exists():
+            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({d}); "
+                              "steps are immutable: save under a new step number")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
+        for name in rank_file_names(rank):
+            (d / name).unlink(missing_ok=True)
+
+    def discard_rank(self, step: int, rank: int) -> None:
+        """Remove one rank's files of an uncommitted step (never those of a committed step)."""
+        d = self.step_dir(step)
+        if d.is_dir() and not (d / MANIFEST_NAME).exists():
+            for name in rank_file_names(rank):
+                (d / name).unlink(missing_ok=True)
+
+    def file_size(self, step: int, name: str) -> int | None:
+        """Bytes of a file of the step, or None where it is missing."""
+        try:
+            return (self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "file name")).stat().st_size
+        except FileNotFoundError:
+            return None
+
     def discard(self, step: int) -> None:
         """Remove an uncommitted step's files (never a committed step)."""
         d = self.step_dir(step)
@@ -398,15 +428,20 @@ class LocalTier:
         return LocalDataWriter(self.step_dir(step) / name, self.direct_io, device)
 
     def write_file(self, step: int, name: str, data: bytes) -> None:
+        # By rename, so that a reader never sees a partial file even where several nodes write
+        # the same file (a step's DCP metadata on a shared tier).
         path = self.step_dir(step) / name
-        with open(path, "wb") as f:
+        tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def commit(self, step: int, manifest: bytes) -> None:
         d = self.step_dir(step)
-        tmp = d / (MANIFEST_NAME + ".tmp")
+        # A name of its own: ranks of other nodes may commit the same bytes into a shared directory.
+        tmp = d / f"{MANIFEST_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(manifest)
             f.flush()

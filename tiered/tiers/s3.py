@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, safe_name, step_dir_name
+from tiered.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name, step_dir_name
 
 log = logging.getLogger("tiered")
 _MIN_PART = 5 * 1024 * 1024  # S3's minimum for every part but the last
@@ -257,6 +257,40 @@ class S3Tier:
     def discard(self, step: int) -> None:
         if not self.has_step(step):
             self._remove(step)
+
+    def begin_rank(self, step: int, rank: int) -> None:
+        """Start one rank's objects of a step other ranks upload beside it: refuse a committed
+        step, remove only this rank's leftovers."""
+        if self.has_step(step):
+            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({self.describe(step, '')}); "
+                              "steps are immutable: save under a new step number")
+        self._remove_rank(step, rank)
+
+    def discard_rank(self, step: int, rank: int) -> None:
+        if not self.has_step(step):
+            self._remove_rank(step, rank)
+
+    def _remove_rank(self, step: int, rank: int) -> None:
+        keys = [self._key(step, name) for name in rank_file_names(rank)]
+        try:
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+            for key in keys:
+                for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key):
+                    for up in page.get("Uploads", ()):
+                        if up["Key"] == key:
+                            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up["UploadId"])
+        except Exception as exc:  # noqa: BLE001
+            raise _client_error(exc, f"{self.describe(step, '')}: cannot clear rank {rank}'s uncommitted objects") from None
+
+    def file_size(self, step: int, name: str) -> int | None:
+        """Bytes of an object of the step, or None where it is missing."""
+        key = self._key(step, safe_name(name, self.root, "file name"))
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+        except Exception as exc:  # noqa: BLE001
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise _client_error(exc, f"{self.url(key)}: cannot check") from None
 
     def delete(self, step: int) -> None:
         """Delete a committed step: the manifest object first (the step is gone for readers at

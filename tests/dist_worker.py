@@ -1,0 +1,160 @@
+"""One rank of a multi-rank save or load, run under torchrun by tests/test_distributed.py (CPU,
+gloo) and scripts/gpu_dist_check.py (GPUs, NCCL, FSDP2).
+
+    torchrun --nproc_per_node N tests/dist_worker.py save|load --config C --step S --how engine|dcp
+        [--tier NAME] [--migrate] [--fsdp REF]
+
+The state is built the same way at every world size from fixed seeds: DTensors sharded by rows
+(uneven over 4 ranks), by columns, a replicated plain tensor and plain values. `load` fills a
+state of zeros laid out for its own world size and checks every value bit for bit against the
+full tensors. With --fsdp, the state is an FSDP2 model and its AdamW optimizer instead (CUDA);
+`save` writes the full state to REF with torch.save for `load` to compare against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tiered.dcp import SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
+from tiered.engine import Engine
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "rows": torch.randn(1000, 300, generator=g),                          # Shard(0)
+        "cols": torch.randn(64, 2048, generator=g).to(torch.bfloat16),         # Shard(1)
+        "odd": torch.randint(-2**40, 2**40, (13, 7), generator=g),             # Shard(0), uneven
+        "rep": torch.randn(5000, generator=g),                                 # replicated on every rank
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+    }
+
+
+PLACEMENT = {"rows": Shard(0), "cols": Shard(1), "odd": Shard(0)}
+
+
+def build(mesh, zeros: bool) -> dict:
+    state: dict = {"extra": {"epoch": 0 if zeros else 7, "name": "" if zeros else "run-a"}, "tensors": {}}
+    for name, t in full_tensors().items():
+        t = torch.zeros_like(t) if zeros else t
+        state["tensors"][name] = distribute_tensor(t, mesh, [PLACEMENT[name]]) if name in PLACEMENT else t
+    return state
+
+
+def check(state: dict) -> None:
+    for name, want in full_tensors().items():
+        got = state["tensors"][name]
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        if got.dtype != want.dtype or not torch.equal(got.cpu(), want):
+            raise SystemExit(f"rank {dist.get_rank()}: {name} differs after load")
+    if state["extra"] != {"epoch": 7, "name": "run-a"}:
+        raise SystemExit(f"rank {dist.get_rank()}: extra is {state['extra']}")
+
+
+def fsdp_state(zeros: bool):
+    """An FSDP2 model with AdamW after two steps (zeros: freshly built, one step so the
+    optimizer state exists), and its sharded state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)], torch.nn.Linear(512, 10)).cuda()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i in range(1 if zeros else 2):
+        torch.manual_seed(100 + i)
+        model(torch.randn(8, 512, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    if zeros:
+        for t in list(msd.values()) + [v for s in osd["state"].values() for v in s.values()]:
+            if isinstance(t, torch.Tensor):
+                t.detach().zero_()
+    return {"model": msd, "optim": osd}
+
+
+def full_of(state) -> dict:
+    """Every tensor of a (sharded) state gathered whole onto the CPU, by key path."""
+    out = {}
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(node, torch.Tensor):
+            out[path] = (node.full_tensor() if isinstance(node, DTensor) else node).detach().cpu()
+        else:
+            out[path] = node
+
+    walk(state, "")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["save", "load"])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--step", type=int, required=True)
+    ap.add_argument("--how", choices=["engine", "dcp"], default="engine")
+    ap.add_argument("--tier", default=None)
+    ap.add_argument("--migrate", action="store_true", help="after saving, wait until the step is on every tier")
+    ap.add_argument("--fsdp", default=None, help="FSDP2 on CUDA; the full reference state goes to this file")
+    args = ap.parse_args()
+    cuda = args.fsdp is not None
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    mesh = None if cuda else init_device_mesh("cpu", (dist.get_world_size(),))
+    engine = Engine.from_config(args.config)
+    try:
+        state = fsdp_state(zeros=args.mode == "load") if cuda else build(mesh, zeros=args.mode == "load")
+        if args.mode == "save":
+            if args.how == "engine":
+                handle = engine.save(args.step, state)
+                manifest = handle.wait()
+                assert manifest.world_size == dist.get_world_size(), manifest
+            else:
+                dcp.save(state, storage_writer=TieredStorageWriter(engine, args.step))
+            if args.migrate:
+                engine.wait_migrated()
+            if cuda:
+                full = full_of(state)
+                if dist.get_rank() == 0:
+                    torch.save(full, args.fsdp)
+        else:
+            if args.how == "engine":
+                assert engine.restore(state, args.step, tier=args.tier) == args.step
+            else:
+                dcp.load(state, storage_reader=TieredStorageReader(engine, args.step, tier=args.tier),
+                         planner=SafeLoadPlanner())
+            if cuda:
+                want, got = torch.load(args.fsdp, weights_only=True), full_of(state)
+                bad = [k for k in want if not (torch.equal(want[k], got[k]) if isinstance(want[k], torch.Tensor)
+                                               else want[k] == got[k])]
+                if bad or set(want) != set(got):
+                    raise SystemExit(f"rank {dist.get_rank()}: differs after load: {bad[:5]}")
+            else:
+                check(state)
+        dist.barrier()
+    finally:
+        engine.close()
+        dist.destroy_process_group()
+    print(f"rank {dist.get_rank() if dist.is_initialized() else ''} ok", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,567 @@
+"""torch.distributed.checkpoint (DCP) storage on tiered's format, codecs and tiers.
+
+``dcp.save(state_dict, storage_writer=TieredStorageWriter(engine, step))``, ``dcp.async_save``
+and ``dcp.load(state_dict, storage_reader=TieredStorageReader(engine, step), planner=SafeLoadPlanner())``.
+DCP's planner decides what each rank writes (replicated tensors once, shards by their owners)
+and what each rank reads (resharding: any world size to any other). Storage then works as in
+the single-process engine: each rank stages its items (GPU tensors compressed on their GPU) and
+writes ``rank_NNNNN.data`` and its index to its node-local tier; the coordinator writes the DCP
+metadata and the manifest last, once every rank's files are durable (see docs/distributed.md).
+
+StorageWriter call order (DCP's): reset(step) -> set_up_storage_writer -> prepare_local_plan ->
+(coordinator) prepare_global_plan -> write_data -> (coordinator) finish.
+StorageReader call order: reset(step) -> read_metadata -> set_up_storage_reader ->
+prepare_local_plan -> (coordinator) prepare_global_plan -> read_data.
+
+The DCP metadata is stored as JSON (``dcp_metadata.json``, pinned by the manifest), never pickled.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from tiered import checksum, tree
+from tiered.errors import FormatError, TieredError
+from tiered.format import (DTYPES, FileEntry, Manifest, RankEntry, RankIndex, TensorRecord,
+                           dtype_name, read_manifest, read_pinned, read_rank_index)
+
+__all__ = ["SafeLoadPlanner", "TieredStorageReader", "TieredStorageWriter"]
+
+log = logging.getLogger("tiered")
+DCP_METADATA = "dcp_metadata.json"
+_KIND = "tiered-dcp-metadata"
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What the manifest needs of one rank's durable files."""
+
+    entry: RankEntry
+    raw_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where DCP's item lives: tensor `tensor` of rank `rank`'s index (WriteResult.storage_data)."""
+
+    rank: int
+    tensor: int
+    files: RankSummary | None = None
+    """On one result per rank (its first): that rank's files, for the manifest."""
+
+
+def _engine(engine_or_config: Any) -> tuple[Any, bool]:
+    from tiered.engine import Engine
+
+    if isinstance(engine_or_config, Engine):
+        return engine_or_config, False
+    return Engine.from_config(engine_or_config), True
+
+
+def _step_of(checkpoint_id: Any) -> int:
+    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    if isinstance(text, str) and text.isdigit():
+        return int(text)
+    raise ValueError(f"tiered checkpoint_id must be a step number (a non-negative int), got {checkpoint_id!r}")
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def item_name(index: MetadataIndex) -> str:
+    """The tensor name an item gets in a rank's index: its fqn, and the shard's offsets."""
+    return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+class TieredStorageWriter(StorageWriter):
+    """A DCP StorageWriter writing `step` with `engine` (an Engine, or a config for one that this
+    writer owns and closes in `close()`). The checkpoint_id given to dcp.save, if any, is the step."""
+
+    def __init__(self, engine: Any = None, step: int | None = None):
+        self.engine, self._owns = _engine(engine)
+        self.step = None if step is None else _step_of(step)
+        self.is_coordinator = False
+        self.rank, self.world_size = 0, 1
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        try:
+            _step_of(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise ValueError("TieredStorageWriter needs a step: TieredStorageWriter(engine, step) or "
+                             "dcp.save(..., checkpoint_id=step)")
+        self.is_coordinator = is_coordinator
+        rank, self.world_size = _rank_world()
+        self.rank = kwargs.get("rank", rank)
+        self.engine._bind_rank(self.rank, self.world_size)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        """Stage this rank's items (GPU tensors: compressed on their GPU) and return a future of
+        their WriteResults that completes when the rank's files are durable."""
+        fut: Future = Future()
+        handle = self.stage(plan, planner)
+        if handle is None:
+            fut.set_result([])
+            return fut
+        items = list(plan.items)
+
+        def done(f: Any) -> None:
+            try:
+                fut.set_result(results_of(items, f.result(), self.rank))
+            except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
+                fut.set_exception(exc)
+
+        handle.persisted.add_done_callback(done)
+        return fut
+
+    def stage(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        """Hand this rank's items to the engine; return its SaveHandle (None: nothing to write)."""
+        if not plan.items:
+            return None
+        state: dict[str, torch.Tensor] = {}
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                data = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if data.getbuffer().nbytes \
+                    else torch.empty(0, dtype=torch.uint8)
+            elif not isinstance(data, torch.Tensor):
+                raise TypeError(f"{item_name(item.index)}: the planner resolved a {type(data).__name__}, not a tensor")
+            else:
+                data = data.detach()
+                if not data.is_contiguous():  # a projection of a larger tensor: store just that
+                    data = data.contiguous()
+            state[item_name(item.index)] = data
+        return self.engine._save(self.step, state, rank_only=True)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write the DCP metadata and commit the step on this node's fast tier."""
+        commit_step(self.engine, self.step, metadata, [r for rank in results for r in rank], self.world_size)
+
+    def close(self) -> None:
+        if self._owns:
+            self.engine.close()
+
+
+def results_of(items: Sequence[Any], files: Any, rank: int) -> list[WriteResult]:
+    """DCP's WriteResults for `items` (WriteItems, in the order they were staged) once the rank's
+    files (a RankFiles) are durable: item i is tensor i of the rank's index."""
+    stored = {rec.index: rec.stored_bytes for rec in files.index.tensors}
+    summary = RankSummary(files.entry, files.raw_bytes, files.stored_bytes)
+    return [WriteResult(index=item.index, size_in_bytes=stored[i],
+                        storage_data=StoredItem(rank, i, summary if i == 0 else None))
+            for i, item in enumerate(items)]
+
+
+def commit_step(engine: Any, step: int, metadata: Metadata, results: Sequence[WriteResult], world_size: int) -> Manifest:
+    """Write `metadata` (with where each item is stored) and the manifest listing every rank
+    that stored anything: the commit. Every rank's files must be durable already."""
+    locations = {r.index: r.storage_data for r in results}
+    files = sorted((r.storage_data.files for r in results if r.storage_data.files is not None),
+                   key=lambda f: f.entry.rank)
+    if not files:
+        raise TieredError(f"step {step}: no rank stored anything")
+    raw = metadata_to_json(metadata, locations)
+    tier = engine.tier
+    tier.write_file(step, DCP_METADATA, raw)
+    manifest = Manifest(step=step, world_size=world_size, ranks=tuple(f.entry for f in files),
+                        raw_bytes=sum(f.raw_bytes for f in files), stored_bytes=sum(f.stored_bytes for f in files),
+                        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                        writer=f"tiered {_version()}", dcp=FileEntry(DCP_METADATA, len(raw), checksum.wsum64(raw)))
+    tier.commit(step, manifest.to_json())
+    log.info("tiered: step %d committed by %d ranks: %d bytes -> %d (%.1f%% saved)", step, len(files),
+             manifest.raw_bytes, manifest.stored_bytes, 100 * manifest.saved_fraction)
+    return manifest
+
+
+def _version() -> str:
+    from tiered.engine import _version
+
+    return _version()
+
+
+# --- the metadata as JSON --------------------------------------------------------------------
+
+def metadata_to_json(md: Metadata, locations: dict[MetadataIndex, StoredItem]) -> bytes:
+    """DCP's Metadata (and where each item is stored) as JSON: what `metadata_from_json` reads."""
+    entries = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            entries[fqn] = {"type": "bytes"}
+        elif isinstance(meta, TensorStorageMetadata):
+            p = meta.properties
+            if p.layout != torch.strided:
+                raise TieredError(f"{fqn}: layout {p.layout} is not supported (strided tensors only)")
+            entries[fqn] = {"type": "tensor", "dtype": dtype_name(p.dtype), "size": list(meta.size),
+                            "requires_grad": bool(p.requires_grad),
+                            "chunks": [[list(c.offsets), list(c.sizes)] for c in meta.chunks]}
+        else:
+            raise TieredError(f"{fqn}: unknown DCP storage metadata {type(meta).__name__}")
+    items = [[idx.fqn, None if idx.offset is None else list(idx.offset), idx.index, loc.rank, loc.tensor]
+             for idx, loc in locations.items()]
+    sm = md.storage_meta
+    skeleton, leaves = tree.flatten(md.planner_data)
+    if leaves:
+        raise TieredError("the planner's data holds tensors; tiered stores planner data as plain JSON only")
+    doc = {"format": _KIND, "version": 1, "dcp_version": md.version, "state_dict_metadata": entries,
+           "items": items, "planner_data": skeleton,
+           "storage_meta": None if sm is None else {
+               "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+               "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def metadata_from_json(raw: bytes, source: str) -> Metadata:
+    """The Metadata `metadata_to_json` wrote, validated; storage_data maps items to StoredItems."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"{source}: not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != _KIND:
+        raise FormatError(f"{source}: not a {_KIND} document")
+    if doc.get("version") != 1:
+        raise FormatError(f"{source}: version {doc.get('version')!r} is not supported; upgrade tiered to read it")
+
+    def ints(val: Any, what: str) -> list[int]:
+        if not isinstance(val, list) or not all(type(x) is int and 0 <= x < 1 << 62 for x in val):
+            raise FormatError(f"{source}: {what} is not a list of non-negative integers")
+        return val
+
+    entries: dict[str, Any] = {}
+    sd = doc.get("state_dict_metadata")
+    if not isinstance(sd, dict):
+        raise FormatError(f"{source}: state_dict_metadata is not an object")
+    for fqn, e in sd.items():
+        if not isinstance(e, dict) or e.get("type") not in ("bytes", "tensor"):
+            raise FormatError(f"{source}: {fqn}: bad entry")
+        if e["type"] == "bytes":
+            entries[fqn] = BytesStorageMetadata()
+            continue
+        if e.get("dtype") not in DTYPES:
+            raise FormatError(f"{source}: {fqn}: unknown dtype {e.get('dtype')!r}")
+        size = ints(e.get("size"), f"{fqn}: size")
+        chunks = []
+        for c in e.get("chunks") if isinstance(e.get("chunks"), list) else [None]:
+            if not isinstance(c, list) or len(c) != 2:
+                raise FormatError(f"{source}: {fqn}: bad chunk {c!r}")
+            off, sizes = ints(c[0], f"{fqn}: chunk offsets"), ints(c[1], f"{fqn}: chunk sizes")
+            if len(off) != len(size) or len(sizes) != len(size) or any(
+                    o + n > s for o, n, s in zip(off, sizes, size)):
+                raise FormatError(f"{source}: {fqn}: chunk {c} lies outside the tensor's size {size}")
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sizes)))
+        entries[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=DTYPES[e["dtype"]], requires_grad=bool(e.get("requires_grad"))),
+            size=torch.Size(size), chunks=chunks)
+    locations = {}
+    if not isinstance(doc.get("items"), list):
+        raise FormatError(f"{source}: items is not a list")
+    for it in doc["items"]:
+        if not isinstance(it, list) or len(it) != 5 or not isinstance(it[0], str) or it[0] not in entries \
+                or not (it[2] is None or type(it[2]) is int) or type(it[3]) is not int or type(it[4]) is not int:
+            raise FormatError(f"{source}: bad item {str(it)[:120]}")
+        offset = None if it[1] is None else torch.Size(ints(it[1], f"{it[0]}: offset"))
+        locations[MetadataIndex(it[0], offset, it[2])] = StoredItem(it[3], it[4])
+    try:
+        planner_data = tree.decode(doc.get("planner_data"), lambda i: None)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise FormatError(f"{source}: planner_data: {exc}") from None
+    sm = doc.get("storage_meta")
+    storage_meta = None
+    if isinstance(sm, dict):
+        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
+                                   load_id=sm.get("load_id"), modules=list(sm.get("modules") or []))
+    return Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=locations,
+                    storage_meta=storage_meta, version=doc.get("dcp_version"))
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values are loaded with
+    ``torch.load(weights_only=True)``: loading a checkpoint runs no code from it."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: F401 - DCP's own helper
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class TieredStorageReader(StorageReader):
+    """A DCP StorageReader of `step` (default: the newest step on any tier) through `engine` (an
+    Engine, or a config). Reads the fastest tier holding the step; a rank's files missing there
+    (another node's local disk) are read from the next tier holding them. Each rank reads and
+    decodes only the chunks covering what it loads."""
+
+    def __init__(self, engine: Any = None, step: int | None = None, *, tier: str | None = None):
+        self.engine, self._owns = _engine(engine)
+        self.step = None if step is None else _step_of(step)
+        self.tier_name = tier
+        self._order: list[Any] = []
+        self._manifest: Manifest | None = None
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+        self._manifest = self.metadata = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return TieredStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self.step, self._order = self.engine._sources(self.step, self.tier_name)
+        errors = []
+        for tier in self._order:
+            try:
+                manifest = read_manifest(tier, self.step)
+                if manifest.dcp is None:
+                    raise FormatError(f"{tier.describe(self.step, 'MANIFEST.json')}: step {self.step} was not saved "
+                                      "through torch.distributed.checkpoint; load it with Engine.restore / Engine.load")
+                self.metadata = metadata_from_json(read_pinned(tier, self.step, manifest.dcp),
+                                                   tier.describe(self.step, manifest.dcp.name))
+                self._manifest = manifest
+                return self.metadata
+            except FormatError as exc:
+                if manifest_is_not_dcp(exc):
+                    raise
+                errors.append(exc)
+            except (TieredError, OSError) as exc:
+                errors.append(exc)
+            log.warning("tiered: step %d: cannot read its DCP metadata on tier %r: %s", self.step, tier.name,
+                        errors[-1])
+        raise errors[-1]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        fut: Future = Future()
+        try:
+            self._read(plan, planner)
+            fut.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - DCP waits on the future and raises
+            fut.set_exception(exc)
+        return fut
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        if self._manifest is None or self.metadata is None:
+            self.read_metadata()
+        storage = self.metadata.storage_data
+        by_rank: dict[int, list[tuple[ReadItem, StoredItem]]] = {}
+        for item in plan.items:
+            loc = storage.get(item.storage_index)
+            if loc is None:
+                raise FormatError(f"step {self.step}: the metadata has no storage for {item_name(item.storage_index)}")
+            by_rank.setdefault(loc.rank, []).append((item, loc))
+        for rank, items in sorted(by_rank.items()):
+            entry = self._manifest.entry(rank)
+            if entry is None:
+                raise FormatError(f"step {self.step}: items are stored by rank {rank}, which the manifest does not list")
+            tier, index = self._rank_index(entry)
+            _read_rank(self.engine, self.step, tier, self._order[self._order.index(tier) + 1:], index, items, planner)
+
+    def _rank_index(self, entry: RankEntry) -> tuple[Any, RankIndex]:
+        """The first tier (fastest first) holding the rank's index, and the index."""
+        last: BaseException | None = None
+        for tier in self._order:
+            try:
+                return tier, read_rank_index(tier, self.step, entry)
+            except (TieredError, OSError) as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    def close(self) -> None:
+        if self._owns:
+            self.engine.close()
+
+
+def manifest_is_not_dcp(exc: BaseException) -> bool:
+    return "was not saved through torch.distributed.checkpoint" in str(exc)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, n = [1] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        out[i], n = n, n * shape[i]
+    return out
+
+
+def box_chunks(shape: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int],
+               chunk_size: int, mark: np.ndarray) -> None:
+    """Mark (in `mark`, one bool per chunk) the chunks of a C-order tensor of `shape` that hold
+    any byte of the box `offsets` + `lengths`."""
+    if any(n == 0 for n in lengths):
+        return
+    d, strides = len(shape), _strides(shape)
+    k = d - 1  # the box is runs of dims k.. (dims after k taken whole), one per index of dims ..k
+    while k > 0 and lengths[k] == shape[k]:
+        k -= 1
+    k = max(k, 0)
+    run = (lengths[k] * strides[k]) if d else 1
+    starts = np.array([(offsets[k] * strides[k]) if d else 0], dtype=np.int64)
+    for i in range(k):
+        starts = (starts[None, :] + ((offsets[i] + np.arange(lengths[i], dtype=np.int64)) * strides[i])[:, None]).ravel()
+    first = starts * itemsize // chunk_size
+    last = ((starts + run) * itemsize - 1) // chunk_size
+    diff = np.zeros(len(mark) + 1, dtype=np.int64)
+    np.add.at(diff, first, 1)
+    np.add.at(diff, last + 1, -1)
+    mark |= np.cumsum(diff[:-1]) > 0
+
+
+def _groups(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive chunk ids."""
+    out: list[tuple[int, int]] = []
+    for j in ids.tolist():
+        if out and out[-1][1] == j:
+            out[-1] = (out[-1][0], j + 1)
+        else:
+            out.append((j, j + 1))
+    return out
+
+
+class _SubRepair:
+    """The engine's ChunkRepair for chunk groups cut out of records."""
+
+    def __init__(self, repair: Any, parts: dict[int, tuple[TensorRecord, int]]):
+        self.repair, self.parts = repair, parts
+
+    def __bool__(self) -> bool:
+        return bool(self.repair)
+
+    def __call__(self, rec: TensorRecord, j: int, why: str) -> Any:
+        orig, a = self.parts[id(rec)]
+        return self.repair(orig, a + j, why)
+
+
+def _read_rank(engine: Any, step: int, tier: Any, slower: list[Any], index: RankIndex,
+               items: list[tuple[ReadItem, StoredItem]], planner: LoadPlanner) -> None:
+    """Decode the chunks of `index`'s tensors that `items` need, then copy each item's box out.
+    A chunk failing its checksum is read from the `slower` tiers instead."""
+    from tiered.restore import ChunkRepair, decode_rank
+
+    cs = index.chunk_size
+    by_tensor: dict[int, list[ReadItem]] = {}
+    for item, loc in items:
+        if not 0 <= loc.tensor < len(index.tensors):
+            raise FormatError(f"{tier.describe(step, index.data_file)}: no tensor {loc.tensor} for "
+                              f"{item_name(item.storage_index)}")
+        by_tensor.setdefault(loc.tensor, []).append(item)
+    records: list[TensorRecord] = []
+    dests: dict[int, torch.Tensor] = {}
+    parts: dict[int, tuple[TensorRecord, int]] = {}
+    spans: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (span buffer, first byte it holds)
+    for t, its in by_tensor.items():
+        rec = index.tensors[t]
+        if not rec.chunks:
+            continue
+        mark = np.zeros(len(rec.chunks), dtype=bool)
+        for item in its:
+            if item.type == LoadItemType.BYTE_IO:
+                mark[:] = True
+            else:
+                box_chunks(rec.shape, rec.torch_dtype.itemsize, item.storage_offsets, item.lengths, cs, mark)
+        ids = np.flatnonzero(mark)
+        if not len(ids):
+            continue
+        first, end = int(ids[0]), int(ids[-1]) + 1
+        device = _target_device(planner, its)
+        span = torch.empty(sum(c.raw_size for c in rec.chunks[first:end]), dtype=torch.uint8, device=device)
+        spans[t] = (span, first * cs)
+        for a, b in _groups(ids):
+            sub = TensorRecord(index=len(records), name=rec.name, dtype="uint8",
+                               shape=(sum(c.raw_size for c in rec.chunks[a:b]),), device=rec.device,
+                               is_numpy=False, codec=rec.codec, chunks=rec.chunks[a:b])
+            records.append(sub)
+            parts[id(sub)] = (rec, a)
+            start = (a - first) * cs
+            dests[sub.index] = span[start:start + sub.shape[0]]
+    if records:
+        sub_index = RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=index.data_bytes, chunk_size=cs,
+                              skeleton=None, tensors=tuple(records), io=index.io)
+        repair = ChunkRepair(step, index.rank, tier.name, slower, engine.config.zstd, cs)
+        try:
+            decode_rank(step, sub_index, dests, tier, _SubRepair(repair, parts) if repair else None,
+                        gpu_ready=engine.gpu_codecs, device=engine._device, pool=engine._pool,
+                        settings=engine.config.zstd)
+        finally:
+            repair.close()
+    for t, its in by_tensor.items():
+        rec = index.tensors[t]
+        span, base = spans.get(t, (torch.empty(0, dtype=torch.uint8), 0))
+        for item in its:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(span.cpu().numpy().tobytes()))
+                continue
+            typed = span.view(rec.torch_dtype) if span.numel() else torch.empty(0, dtype=rec.torch_dtype)
+            strides = _strides(rec.shape)
+            offset = sum(o * s for o, s in zip(item.storage_offsets, strides)) - base // rec.torch_dtype.itemsize
+            dst = planner.resolve_tensor(item).detach()
+            if dst.numel():
+                src = torch.as_strided(typed, tuple(item.lengths), tuple(strides), offset)
+                dst.copy_(src)
+            planner.commit_tensor(item, dst)
+
+
+def _target_device(planner: LoadPlanner, items: list[ReadItem]) -> torch.device:
+    """Where the span is decoded: the device of the first tensor item's destination."""
+    for item in items:
+        if item.type != LoadItemType.BYTE_IO:
+            return planner.resolve_tensor(item).device
+    return torch.device("cpu")

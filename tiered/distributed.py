@@ -1,0 +1,224 @@
+"""`Engine.save` / `Engine.restore` under torch.distributed: one call on every rank, through DCP.
+
+Save, on every rank (`DistributedSaver.save`):
+
+    DCP's DefaultSavePlanner plans (gather the local plans to the coordinator, which removes
+    duplicates of replicated tensors, scatter the final plans)    -- collectives on the default group
+    -> TieredStorageWriter.stage: this rank's items are staged as a single-process save stages
+       (GPU tensors compressed on their GPU); save() returns here
+    background, in save order (one thread per engine):
+    -> this rank's data file and index are durable on its node-local tier
+    -> it posts its WriteResults to the job's key-value store (c10d's store, as torchrun sets up)
+    -> the coordinator waits for every rank's post, writes the DCP metadata and the manifest
+       (`tiered.dcp.commit_step`), and posts the manifest
+    -> every node's local rank 0 commits that same manifest on its own node-local tier, so each
+       node sees the step (holding its own ranks' files); each rank queues its migration.
+
+No rank waits for another in the training step: only the planning is collective. The background
+exchange goes through the store, not collectives, so it never interleaves with training's.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from tiered.dcp import (DCP_METADATA, RankSummary, SafeLoadPlanner, StoredItem, TieredStorageReader,
+                        TieredStorageWriter, commit_step, results_of)
+from tiered.errors import BackgroundSaveError, TieredError
+from tiered.format import Manifest, RankEntry
+
+log = logging.getLogger("tiered")
+COMMIT_TIMEOUT = timedelta(minutes=30)
+"""How long the background commit waits for the other ranks' files (and they for the manifest)."""
+
+
+def _store() -> Any:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+class DistributedSaver:
+    """The distributed side of one Engine: plans collectively, stages locally, commits in the background."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        engine._bind_rank(self.rank, self.world)
+        self._prefix = f"tiered/{engine.tier.root}"
+        self._jobs: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="tiered-commit", daemon=True)
+        self._thread.start()
+
+    # --- save ------------------------------------------------------------------------------
+    def save(self, step: int, state_dict: Any) -> Any:
+        from tiered.engine import SaveHandle
+
+        t0 = time.perf_counter()
+        coordinator = self.rank == 0
+        writer = TieredStorageWriter(self.engine, step)
+        writer.set_up_storage_writer(coordinator, rank=self.rank)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
+        local = planner.create_local_plan()
+        gathered = [None] * self.world if coordinator else None
+        dist.gather_object(local, gathered, dst=0)
+        metadata = None
+        scattered = [None] * self.world if coordinator else None
+        if coordinator:
+            plans, metadata = planner.create_global_plan(gathered)
+            scattered = writer.prepare_global_plan(plans)
+        out = [None]
+        dist.scatter_object_list(out, scattered, src=0)
+        final = planner.finish_plan(out[0])
+        plan_ms = 1e3 * (time.perf_counter() - t0)
+        rank_handle = writer.stage(final, planner)
+        handle = SaveHandle(step)
+        if rank_handle is None:
+            handle.staged.set_result(step)
+        else:
+            handle.raw_bytes = rank_handle.raw_bytes
+            handle.timings = dict(rank_handle.timings)
+            rank_handle.staged.add_done_callback(lambda f: _mirror(f, handle.staged))
+        handle.timings["dcp_plan_ms"] = plan_ms
+        with self.engine._lock:
+            self.engine._inflight[step] = handle
+        self._jobs.put((step, list(final.items), rank_handle, metadata, handle))
+        handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            step, items, rank_handle, metadata, handle = job
+            try:
+                manifest = self._commit(step, items, rank_handle, metadata)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
+                err = exc if isinstance(exc, BackgroundSaveError) else BackgroundSaveError(step, exc)
+                log.error("tiered: %s", err)
+                with self.engine._lock:
+                    self.engine._error = self.engine._error or err
+                    self.engine._inflight.pop(step, None)
+                if not handle.staged.done():
+                    handle.staged.set_exception(err)
+                handle.persisted.set_exception(err)
+                continue
+            if self.engine._migrator is not None:
+                self.engine._migrator.submit(step)
+            with self.engine._lock:
+                self.engine._inflight.pop(step, None)
+            handle.persisted.set_result(manifest)
+
+    def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any) -> Manifest:
+        store = _store()
+        key = f"{self._prefix}/{step}"
+        try:
+            results = results_of(items, rank_handle.persisted.result(), self.rank) if rank_handle is not None else []
+            store.set(f"{key}/rank/{self.rank}", _encode_results(results))
+        except BaseException as exc:
+            store.set(f"{key}/rank/{self.rank}", json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
+            raise
+        if self.rank == 0:
+            try:
+                keys = [f"{key}/rank/{r}" for r in range(self.world)]
+                store.wait(keys, COMMIT_TIMEOUT)
+                posted = [json.loads(store.get(k)) for k in keys]
+                failed = [p["error"] for p in posted if isinstance(p, dict)]
+                if failed:
+                    raise TieredError(f"step {step} was not committed: {'; '.join(failed)}")
+                manifest = commit_step(self.engine, step, metadata, [r for p in posted for r in _decode_results(p)],
+                                       self.world)
+                dcp_raw = self.engine.tier.read_file(step, DCP_METADATA, manifest.dcp.size)
+                store.set(f"{key}/commit", json.dumps({"manifest": base64.b64encode(manifest.to_json()).decode(),
+                                                       "dcp": base64.b64encode(dcp_raw).decode()}))
+                for k in keys:
+                    store.delete_key(k)
+                return manifest
+            except BaseException as exc:
+                store.set(f"{key}/commit", json.dumps({"error": repr(exc)}))
+                raise
+        store.wait([f"{key}/commit"], COMMIT_TIMEOUT)
+        posted = json.loads(store.get(f"{key}/commit"))
+        if "error" in posted:
+            raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")
+        raw_manifest = base64.b64decode(posted["manifest"])
+        manifest = Manifest.from_json(raw_manifest, f"step {step}'s manifest from rank 0")
+        tier = self.engine.tier
+        if self.local_rank == 0:
+            if not tier.has_step(step):  # another node: commit its own view, with its ranks' files
+                tier.write_file(step, DCP_METADATA, base64.b64decode(posted["dcp"]))
+                tier.commit(step, raw_manifest)
+        else:  # persisted means committed on this node's tier: its local rank 0 commits it
+            deadline = time.monotonic() + COMMIT_TIMEOUT.total_seconds()
+            while not tier.has_step(step):
+                if time.monotonic() > deadline:
+                    raise TieredError(f"step {step}: local rank 0 did not commit it on {tier.root}")
+                time.sleep(0.02)
+        return manifest
+
+
+def _mirror(src: Any, dst: Any) -> None:
+    if dst.done():
+        return
+    exc = src.exception()
+    dst.set_exception(exc) if exc is not None else dst.set_result(src.result())
+
+
+def _encode_results(results: list[WriteResult]) -> str:
+    out = []
+    for r in results:
+        s: StoredItem = r.storage_data
+        f = s.files
+        out.append([r.index.fqn, None if r.index.offset is None else list(r.index.offset), r.index.index,
+                    r.size_in_bytes, s.rank, s.tensor,
+                    None if f is None else [f.entry.rank, f.entry.index_file, f.entry.index_bytes,
+                                            f.entry.index_checksum, f.entry.data_file, f.entry.data_bytes,
+                                            f.raw_bytes, f.stored_bytes]])
+    return json.dumps(out)
+
+
+def _decode_results(posted: list[Any]) -> list[WriteResult]:
+    out = []
+    for fqn, offset, idx, size, rank, tensor, f in posted:
+        files = None if f is None else RankSummary(RankEntry(*f[:6]), f[6], f[7])
+        out.append(WriteResult(index=MetadataIndex(fqn, None if offset is None else torch.Size(offset), idx),
+                               size_in_bytes=size, storage_data=StoredItem(rank, tensor, files)))
+    return out
+
+
+def agree_on_step(step: int | None, find: Any) -> int:
+    """The step every rank restores: `step`, or the newest one rank 0 finds."""
+    box = [find() if step is None and dist.get_rank() == 0 else step]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise TieredError("no committed checkpoint to restore (rank 0 found none)")
+    return box[0]
+
+
+def restore_dcp(engine: Any, state_dict: Any, step: int, *, strict: bool, tier: str | None) -> None:
+    """Load DCP-saved `step` into `state_dict` in place, resharding as DCP's planner decides."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = TieredStorageReader(engine, step, tier=tier)
+    dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))
