@@ -104,12 +104,74 @@ def full_of(state) -> dict:
     return out
 
 
+def count_decoded_chunks() -> dict[str, int]:
+    """Chunks this rank decodes, by tensor name (wraps tiered.restore.decode_rank)."""
+    import tiered.restore
+
+    counts: dict[str, int] = {}
+    real = tiered.restore.decode_rank
+
+    def counting(step, index, *a, **k):
+        for rec in index.tensors:
+            counts[rec.name] = counts.get(rec.name, 0) + len(rec.chunks)
+        return real(step, index, *a, **k)
+
+    tiered.restore.decode_rank = counting
+    return counts
+
+
+def chunks_needed_for_rows(world: int, rank: int, chunk: int) -> int:
+    """Chunks of the stored 4 row shards of "rows" that hold this rank's rows at `world` ranks,
+    computed here from the layout (not by tiered's code): shard s holds rows [250 s, 250 s + 250),
+    stored in C order, 1200 bytes a row."""
+    rows, row_bytes, per_saved = 1000, 300 * 4, 250
+    per = -(-rows // world)
+    lo, hi = rank * per, min(rows, rank * per + per)
+    n = 0
+    for s in range(4):
+        a, b = max(lo, s * per_saved) - s * per_saved, min(hi, s * per_saved + per_saved) - s * per_saved
+        if a < b:
+            n += (b * row_bytes - 1) // chunk - a * row_bytes // chunk + 1
+    return n
+
+
+def save_fails_on_rank_1(engine, state, step: int) -> None:
+    """Rank 1's disk is full: every rank's save of `step` fails, nothing is committed, and the
+    next save (disk space back) commits."""
+    from tiered.errors import BackgroundSaveError
+
+    real = engine.tier.open_data_writer
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    if dist.get_rank() == 1:
+        engine.tier.open_data_writer = full
+    handle = engine.save(step, state)
+    try:
+        handle.wait()
+    except BackgroundSaveError as exc:
+        if "No space left on device" not in str(exc) and "rank 1" not in str(exc):
+            raise SystemExit(f"rank {dist.get_rank()}: unexpected error {exc}")
+    else:
+        raise SystemExit(f"rank {dist.get_rank()}: step {step} was saved although rank 1 failed")
+    try:
+        engine.wait()
+    except BackgroundSaveError:
+        pass  # the same failure, raised once more by the engine (as a next save() would)
+    if engine.tier.has_step(step):
+        raise SystemExit(f"rank {dist.get_rank()}: step {step} is committed without rank 1's files")
+    engine.tier.open_data_writer = real
+    dist.barrier()
+    engine.save(step + 1, state).wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load"])
+    ap.add_argument("mode", choices=["save", "load", "save-fail"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--step", type=int, required=True)
-    ap.add_argument("--how", choices=["engine", "dcp"], default="engine")
+    ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
     ap.add_argument("--tier", default=None)
     ap.add_argument("--migrate", action="store_true", help="after saving, wait until the step is on every tier")
     ap.add_argument("--fsdp", default=None, help="FSDP2 on CUDA; the full reference state goes to this file")
@@ -122,13 +184,17 @@ def main() -> None:
     engine = Engine.from_config(args.config)
     try:
         state = fsdp_state(zeros=args.mode == "load") if cuda else build(mesh, zeros=args.mode == "load")
-        if args.mode == "save":
+        if args.mode == "save-fail":
+            save_fails_on_rank_1(engine, state, args.step)
+        elif args.mode == "save":
             if args.how == "engine":
                 handle = engine.save(args.step, state)
                 manifest = handle.wait()
                 assert manifest.world_size == dist.get_world_size(), manifest
-            else:
+            elif args.how == "dcp":
                 dcp.save(state, storage_writer=TieredStorageWriter(engine, args.step))
+            else:
+                dcp.async_save(state, storage_writer=TieredStorageWriter(engine, args.step)).result()
             if args.migrate:
                 engine.wait_migrated()
             if cuda:
@@ -136,6 +202,7 @@ def main() -> None:
                 if dist.get_rank() == 0:
                     torch.save(full, args.fsdp)
         else:
+            counts = count_decoded_chunks()
             if args.how == "engine":
                 assert engine.restore(state, args.step, tier=args.tier) == args.step
             else:
@@ -149,11 +216,17 @@ def main() -> None:
                     raise SystemExit(f"rank {dist.get_rank()}: differs after load: {bad[:5]}")
             else:
                 check(state)
+                # Resharding decodes only the chunks holding this rank's part of each stored shard.
+                decoded = sum(n for name, n in counts.items() if name.startswith("tensors.rows@"))
+                want = chunks_needed_for_rows(dist.get_world_size(), dist.get_rank(), engine.config.chunk_size)
+                if decoded != want:
+                    raise SystemExit(f"rank {dist.get_rank()}: decoded {decoded} chunks of 'rows', needs {want}")
         dist.barrier()
     finally:
         engine.close()
+        rank = dist.get_rank()
         dist.destroy_process_group()
-    print(f"rank {dist.get_rank() if dist.is_initialized() else ''} ok", file=sys.stderr)
+    print(f"rank {rank} ok", file=sys.stderr)
 
 
 if __name__ == "__main__":

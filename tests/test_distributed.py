@@ -26,15 +26,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *args: str, env: dict | None = None) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(WORKER), *args]
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    run_env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), run_env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=run_env)
+def launch(nproc: int, *args: str, nodes: int = 1, node: int = 0, port: int | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nodes}",
+           f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port or free_port()}", str(WORKER), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen, what: str) -> None:
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} at {nproc} ranks failed (exit {proc.returncode}):\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{what} failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}")
+
+
+def torchrun(nproc: int, *args: str) -> None:
+    finish(launch(nproc, *args), f"{' '.join(args)} at {nproc} ranks")
+
+
+def two_nodes(configs: list[str], *args: str) -> None:
+    """Two torchrun agents on this machine as nodes 0 and 1 of one job, 2 ranks each, each node
+    with its own config (its own node-local directory)."""
+    port = free_port()
+    procs = [launch(2, *args, "--config", cfg, nodes=2, node=i, port=port) for i, cfg in enumerate(configs)]
+    for i, proc in enumerate(procs):
+        finish(proc, f"node {i}: {' '.join(args)}")
 
 
 def write_config(path: Path, tiers: list[dict]) -> str:
@@ -66,11 +86,26 @@ def test_save_at_4_ranks_writes_each_ranks_files_and_one_manifest(saved):
         assert not [p.name for p in d.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("nproc", [4, 2, 1])
+@pytest.mark.parametrize("nproc", [4, 3, 2, 1])  # 3: rows split across saved shards, read in part
 @pytest.mark.parametrize("how", ["engine", "dcp"])
 def test_load_at_any_world_size_is_bit_exact(saved, nproc, how):
     _, cfg = saved
     torchrun(nproc, "load", "--config", cfg, "--step", "100" if how == "engine" else "101", "--how", how)
+
+
+def test_dcp_async_save_on_tiered_storage(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}])
+    torchrun(4, "save", "--config", cfg, "--step", "5", "--how", "async")
+    torchrun(2, "load", "--config", cfg, "--step", "5", "--how", "dcp")
+
+
+def test_a_rank_that_cannot_write_fails_the_step_on_every_rank(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}])
+    torchrun(4, "save-fail", "--config", cfg, "--step", "40")
+    d = tmp_path / "nvme"
+    assert not (d / "step_000000000040" / "MANIFEST.json").exists()
+    assert (d / "step_000000000041" / "MANIFEST.json").is_file()
+    torchrun(2, "load", "--config", cfg, "--step", "41")
 
 
 def test_cli_verifies_a_distributed_step(saved):
@@ -95,6 +130,30 @@ def test_restored_from_s3_only(tmp_path, s3_server, s3_bucket):
     for nproc in (4, 2, 1):
         torchrun(nproc, "load", "--config", cfg, "--step", "200", "--how", "engine")
     torchrun(2, "load", "--config", cfg, "--step", "200", "--how", "dcp", "--tier", "s3")
+
+
+def test_two_nodes_commit_locally_and_each_migrates_its_own_ranks(tmp_path):
+    # Nodes with their own NVMe and one shared filesystem: each node's local tier gets the
+    # manifest and its own ranks' files; each node migrates its own ranks; the shared tier
+    # commits the step once both have. Then node 1's disk is lost and 4 ranks load anyway.
+    shared = {"name": "shared", "kind": "posix", "path": str(tmp_path / "lustre"), "codec": "zstd"}
+    configs = [write_config(tmp_path / f"node{i}.yaml", [
+        {"name": "local", "kind": "local", "path": str(tmp_path / f"nvme{i}"), "codec": "none"}, shared])
+        for i in range(2)]
+    two_nodes(configs, "save", "--step", "300", "--how", "engine", "--migrate")
+    two_nodes(configs, "save", "--step", "301", "--how", "dcp", "--migrate")
+    for step in (300, 301):
+        for i, ranks in ((0, [0, 1]), (1, [2, 3])):
+            d = tmp_path / f"nvme{i}" / f"step_{step:012d}"
+            assert json.loads((d / "MANIFEST.json").read_text())["world_size"] == 4
+            assert sorted(p.name for p in d.glob("rank_*.index.json")) == [f"rank_{r:05d}.index.json" for r in ranks]
+        d = tmp_path / "lustre" / f"step_{step:012d}"
+        manifest = json.loads((d / "MANIFEST.json").read_text())
+        assert [r["rank"] for r in manifest["ranks"]] == [0, 1, 2, 3]
+        assert all((d / r["index_file"]).is_file() for r in manifest["ranks"])
+    shutil.rmtree(tmp_path / "nvme1")
+    two_nodes(configs, "load", "--step", "300", "--how", "engine")
+    torchrun(1, "load", "--config", configs[0], "--step", "301", "--how", "dcp")
 
 
 @pytest.mark.parametrize("shape,itemsize,chunk", [((37, 11, 5), 4, 64), ((1000,), 2, 96), ((), 8, 64),

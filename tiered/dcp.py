@@ -18,12 +18,18 @@ The DCP metadata is stored as JSON (``dcp_metadata.json``, pinned by the manifes
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import datetime as _dt
 import io
 import json
 import logging
 import os
+import threading
+import time
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,7 +44,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from tiered import checksum, tree
-from tiered.errors import FormatError, TieredError
+from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import (DTYPES, FileEntry, Manifest, RankEntry, RankIndex, TensorRecord,
                            dtype_name, read_manifest, read_pinned, read_rank_index)
 
@@ -135,7 +141,10 @@ class TieredStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        # One id for this save, sent to every rank with its plan: the key under which the ranks
+        # and the coordinator exchange the commit (paths may differ from node to node).
+        save_id = uuid.uuid4().hex
+        return [dataclasses.replace(p, storage_data=save_id) for p in plans]
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
@@ -144,7 +153,15 @@ class TieredStorageWriter(StorageWriter):
         """Stage this rank's items (GPU tensors: compressed on their GPU) and return a future of
         their WriteResults that completes when the rank's files are durable."""
         fut: Future = Future()
+        self.save_id = plan.storage_data
         handle = self.stage(plan, planner)
+        if not self.is_coordinator and isinstance(self.save_id, str) and _multi_rank():
+            # dcp.save gives no rank but the coordinator a hook after the commit: a thread waits
+            # for the coordinator's post and commits the step on this node's tier as well.
+            t = threading.Thread(target=_adopt_quietly, args=(self.engine, self.step, self.save_id), daemon=True,
+                                 name="tiered-adopt")
+            t.start()
+            self.engine._adopting.append(t)  # Engine.close() waits for it
         if handle is None:
             fut.set_result([])
             return fut
@@ -179,8 +196,20 @@ class TieredStorageWriter(StorageWriter):
         return self.engine._save(self.step, state, rank_only=True)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write the DCP metadata and commit the step on this node's fast tier."""
-        commit_step(self.engine, self.step, metadata, [r for rank in results for r in rank], self.world_size)
+        """Coordinator: write the DCP metadata and commit the step on this node's fast tier;
+        then post the manifest for the other nodes."""
+        save_id = getattr(self, "save_id", None)
+        try:
+            manifest = commit_step(self.engine, self.step, metadata, [r for rank in results for r in rank],
+                                   self.world_size)
+        except BaseException as exc:
+            if isinstance(save_id, str) and _multi_rank():
+                post_failure(save_id, repr(exc))
+            raise
+        if isinstance(save_id, str) and _multi_rank():
+            post_commit(self.engine, save_id, manifest)
+        if self.engine._migrator is not None:
+            self.engine._migrator.submit(self.step)
 
     def close(self) -> None:
         if self._owns:
@@ -216,6 +245,74 @@ def commit_step(engine: Any, step: int, metadata: Metadata, results: Sequence[Wr
     log.info("tiered: step %d committed by %d ranks: %d bytes -> %d (%.1f%% saved)", step, len(files),
              manifest.raw_bytes, manifest.stored_bytes, 100 * manifest.saved_fraction)
     return manifest
+
+
+# --- the commit across nodes (through the c10d store) ----------------------------------------
+
+COMMIT_TIMEOUT = timedelta(minutes=30)
+"""How long ranks wait for each other's posts (files durable, the coordinator's commit)."""
+
+
+def _multi_rank() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def store() -> Any:
+    """The key-value store of the default process group (torchrun's rendezvous store)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def commit_key(save_id: str) -> str:
+    return f"tiered/{save_id}/commit"
+
+
+def post_commit(engine: Any, save_id: str, manifest: Manifest) -> None:
+    dcp_raw = engine.tier.read_file(manifest.step, manifest.dcp.name, manifest.dcp.size)
+    store().set(commit_key(save_id), json.dumps({"manifest": base64.b64encode(manifest.to_json()).decode(),
+                                                 "dcp": base64.b64encode(dcp_raw).decode()}))
+
+
+def post_failure(save_id: str, why: str) -> None:
+    store().set(commit_key(save_id), json.dumps({"error": why}))
+
+
+def adopt_commit(engine: Any, step: int, save_id: str) -> Manifest:
+    """Wait for the coordinator's commit of `step`; on a node other than the coordinator's, its
+    local rank 0 commits the same manifest (and DCP metadata) on this node's tier, where this
+    node's ranks' files are; the other local ranks wait until it has."""
+    s = store()
+    s.wait([commit_key(save_id)], COMMIT_TIMEOUT)
+    posted = json.loads(s.get(commit_key(save_id)))
+    if "error" in posted:
+        raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")
+    raw = base64.b64decode(posted["manifest"])
+    manifest = Manifest.from_json(raw, f"step {step}'s manifest from rank 0")
+    tier = engine.tier
+    if int(os.environ.get("LOCAL_RANK", engine.rank)) == 0:
+        if not tier.has_step(step):
+            tier.write_file(step, manifest.dcp.name, base64.b64decode(posted["dcp"]))
+            tier.commit(step, raw)
+    else:
+        deadline = time.monotonic() + COMMIT_TIMEOUT.total_seconds()
+        while not tier.has_step(step):
+            if time.monotonic() > deadline:
+                raise TieredError(f"step {step}: local rank 0 did not commit it on {tier.root}")
+            time.sleep(0.02)
+    return manifest
+
+
+def _adopt_quietly(engine: Any, step: int, save_id: str) -> None:
+    try:
+        adopt_commit(engine, step, save_id)
+    except BaseException as exc:  # noqa: BLE001 - a thread of its own: logged
+        log.error("tiered: step %d: this node did not commit it: %s", step, exc)
+        return
+    if engine._migrator is not None:
+        engine._migrator.submit(step)
 
 
 def _version() -> str:
@@ -346,12 +443,14 @@ class TieredStorageReader(StorageReader):
         self.tier_name = tier
         self._order: list[Any] = []
         self._manifest: Manifest | None = None
+        self._manifests: dict[str, Manifest] = {}
         self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
             self.step = _step_of(checkpoint_id)
         self._manifest = self.metadata = None
+        self._manifests = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -416,14 +515,26 @@ class TieredStorageReader(StorageReader):
             _read_rank(self.engine, self.step, tier, self._order[self._order.index(tier) + 1:], index, items, planner)
 
     def _rank_index(self, entry: RankEntry) -> tuple[Any, RankIndex]:
-        """The first tier (fastest first) holding the rank's index, and the index."""
+        """The first tier (fastest first) holding the rank's index, and the index, checked
+        against that tier's own manifest (a migration may have recompressed the rank there)."""
         last: BaseException | None = None
         for tier in self._order:
             try:
-                return tier, read_rank_index(tier, self.step, entry)
+                if tier.name not in self._manifests:
+                    self._manifests[tier.name] = read_manifest(tier, self.step)
+                own = self._manifests[tier.name].entry(entry.rank)
+                if own is None:
+                    raise FormatError(f"{tier.describe(self.step, 'MANIFEST.json')}: no entry for rank {entry.rank}")
+                if tier.file_size(self.step, own.index_file) is None:
+                    continue  # another node's rank: not on this node's local tier
+                return tier, read_rank_index(tier, self.step, own)
             except (TieredError, OSError) as exc:
                 last = exc
-        assert last is not None
+                log.warning("tiered: step %d: cannot read rank %d's index on tier %r: %s", self.step, entry.rank,
+                            tier.name, exc)
+        if last is None:
+            raise CheckpointNotFoundError(f"step {self.step}: no tier holds rank {entry.rank}'s files "
+                                          f"(tried {', '.join(t.name for t in self._order)})")
         raise last
 
     def close(self) -> None:

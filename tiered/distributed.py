@@ -20,14 +20,11 @@ exchange goes through the store, not collectives, so it never interleaves with t
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import os
 import queue
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,20 +33,12 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from tiered.dcp import (DCP_METADATA, RankSummary, SafeLoadPlanner, StoredItem, TieredStorageReader,
-                        TieredStorageWriter, commit_step, results_of)
+from tiered.dcp import (COMMIT_TIMEOUT, RankSummary, SafeLoadPlanner, StoredItem, TieredStorageReader,
+                        TieredStorageWriter, adopt_commit, commit_step, post_commit, post_failure, results_of, store)
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest, RankEntry
 
 log = logging.getLogger("tiered")
-COMMIT_TIMEOUT = timedelta(minutes=30)
-"""How long the background commit waits for the other ranks' files (and they for the manifest)."""
-
-
-def _store() -> Any:
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
 
 
 class DistributedSaver:
@@ -58,9 +47,7 @@ class DistributedSaver:
     def __init__(self, engine: Any):
         self.engine = engine
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         engine._bind_rank(self.rank, self.world)
-        self._prefix = f"tiered/{engine.tier.root}"
         self._jobs: "queue.Queue[Any]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="tiered-commit", daemon=True)
         self._thread.start()
@@ -98,7 +85,7 @@ class DistributedSaver:
         handle.timings["dcp_plan_ms"] = plan_ms
         with self.engine._lock:
             self.engine._inflight[step] = handle
-        self._jobs.put((step, list(final.items), rank_handle, metadata, handle))
+        self._jobs.put((step, list(final.items), rank_handle, metadata, final.storage_data, handle))
         handle.stall_s = time.perf_counter() - t0
         return handle
 
@@ -111,9 +98,9 @@ class DistributedSaver:
             job = self._jobs.get()
             if job is None:
                 return
-            step, items, rank_handle, metadata, handle = job
+            step, items, rank_handle, metadata, save_id, handle = job
             try:
-                manifest = self._commit(step, items, rank_handle, metadata)
+                manifest = self._commit(step, items, rank_handle, metadata, save_id)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
                 err = exc if isinstance(exc, BackgroundSaveError) else BackgroundSaveError(step, exc)
                 log.error("tiered: %s", err)
@@ -130,52 +117,33 @@ class DistributedSaver:
                 self.engine._inflight.pop(step, None)
             handle.persisted.set_result(manifest)
 
-    def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any) -> Manifest:
-        store = _store()
-        key = f"{self._prefix}/{step}"
+    def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any, save_id: str) -> Manifest:
+        s = store()
+        key = f"tiered/{save_id}/rank/"
         try:
             results = results_of(items, rank_handle.persisted.result(), self.rank) if rank_handle is not None else []
-            store.set(f"{key}/rank/{self.rank}", _encode_results(results))
+            s.set(f"{key}{self.rank}", _encode_results(results))
         except BaseException as exc:
-            store.set(f"{key}/rank/{self.rank}", json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
+            s.set(f"{key}{self.rank}", json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
             raise
         if self.rank == 0:
             try:
-                keys = [f"{key}/rank/{r}" for r in range(self.world)]
-                store.wait(keys, COMMIT_TIMEOUT)
-                posted = [json.loads(store.get(k)) for k in keys]
+                keys = [f"{key}{r}" for r in range(self.world)]
+                s.wait(keys, COMMIT_TIMEOUT)
+                posted = [json.loads(s.get(k)) for k in keys]
                 failed = [p["error"] for p in posted if isinstance(p, dict)]
                 if failed:
                     raise TieredError(f"step {step} was not committed: {'; '.join(failed)}")
                 manifest = commit_step(self.engine, step, metadata, [r for p in posted for r in _decode_results(p)],
                                        self.world)
-                dcp_raw = self.engine.tier.read_file(step, DCP_METADATA, manifest.dcp.size)
-                store.set(f"{key}/commit", json.dumps({"manifest": base64.b64encode(manifest.to_json()).decode(),
-                                                       "dcp": base64.b64encode(dcp_raw).decode()}))
                 for k in keys:
-                    store.delete_key(k)
-                return manifest
+                    s.delete_key(k)
             except BaseException as exc:
-                store.set(f"{key}/commit", json.dumps({"error": repr(exc)}))
+                post_failure(save_id, repr(exc))
                 raise
-        store.wait([f"{key}/commit"], COMMIT_TIMEOUT)
-        posted = json.loads(store.get(f"{key}/commit"))
-        if "error" in posted:
-            raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")
-        raw_manifest = base64.b64decode(posted["manifest"])
-        manifest = Manifest.from_json(raw_manifest, f"step {step}'s manifest from rank 0")
-        tier = self.engine.tier
-        if self.local_rank == 0:
-            if not tier.has_step(step):  # another node: commit its own view, with its ranks' files
-                tier.write_file(step, DCP_METADATA, base64.b64decode(posted["dcp"]))
-                tier.commit(step, raw_manifest)
-        else:  # persisted means committed on this node's tier: its local rank 0 commits it
-            deadline = time.monotonic() + COMMIT_TIMEOUT.total_seconds()
-            while not tier.has_step(step):
-                if time.monotonic() > deadline:
-                    raise TieredError(f"step {step}: local rank 0 did not commit it on {tier.root}")
-                time.sleep(0.02)
-        return manifest
+            post_commit(self.engine, save_id, manifest)
+            return manifest
+        return adopt_commit(self.engine, step, save_id)
 
 
 def _mirror(src: Any, dst: Any) -> None:

@@ -132,6 +132,8 @@ class Engine:
         self._codec = FastTierCodec(config, self.tier, self._pool, self._host, self._gpu_ready)
         self._migrator: Any = None
         self._dist: Any = None
+        self._adopting: list[threading.Thread] = []
+        """Threads committing dcp.save's steps on this node's tier once rank 0 has (tiered.dcp)."""
         if len(config.tiers) > 1 and config.migration == "in_process":
             from tiered.migrator import BackgroundMigrator, make_gpu_recoder
 
@@ -295,6 +297,8 @@ class Engine:
 
     def wait(self) -> None:
         """Wait for every in-flight save to be persisted; raise the first background failure."""
+        while self._adopting:  # dcp.save's steps, committed on this node once rank 0 has
+            self._adopting.pop().join()
         while True:
             with self._lock:
                 pending = list(self._inflight.values())
@@ -325,6 +329,8 @@ class Engine:
             self._writer.join()
             if self._dist is not None:
                 self._dist.close()
+            while self._adopting:
+                self._adopting.pop().join()
             self._codec.join()
             if self._migrator is not None:
                 self._migrator.stop()  # queued migrations finish first; a crash resumes next run

@@ -118,6 +118,8 @@ def _migrate_ranks(step: int, src: Any, dst: Any, *, codec, settings, pool, gpu,
     begun = []
     try:
         for index in indexes:
+            if dst.file_size(step, index_file_name(index.rank)) is not None:
+                continue  # copied by an earlier attempt: an index is written after its data file
             dst.begin_rank(step, index.rank)
             begun.append(index.rank)
             new_index = _copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)

@@ -1,0 +1,123 @@
+"""tiered.dcp in one process (no process group): DCP's save and load on tiered storage, the
+metadata as JSON, and the errors users meet. Multi-rank runs are in test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tiered import Engine
+from tiered.dcp import DCP_METADATA, SafeLoadPlanner, TieredStorageReader, TieredStorageWriter, metadata_from_json
+from tiered.errors import FormatError
+
+
+def small_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(300, 500, generator=g), "b": torch.randn(500, generator=g).bfloat16()},
+            "step": torch.tensor(12), "meta": {"epoch": 3, "lr": 0.5, "name": "a"}}
+
+
+def zeros(state: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": torch.tensor(0),
+            "meta": {"epoch": 0, "lr": 0.0, "name": ""}}
+
+
+@pytest.fixture
+def engine(tier_config):
+    with Engine.from_config(tier_config("zstd")) as e:
+        yield e
+
+
+def test_dcp_save_and_load_round_trip(engine):
+    state = small_state()
+    dcp.save(state, storage_writer=TieredStorageWriter(engine, 5))
+    out = zeros(state)
+    dcp.load(out, storage_reader=TieredStorageReader(engine, 5), planner=SafeLoadPlanner())
+    for k, v in state["model"].items():
+        assert torch.equal(out["model"][k], v)
+    assert out["step"].item() == 12 and out["meta"] == state["meta"]
+    assert engine.steps() == [5]
+
+
+def test_checkpoint_id_is_the_step(engine):
+    dcp.save(small_state(), storage_writer=TieredStorageWriter(engine), checkpoint_id=7)
+    out = zeros(small_state())
+    dcp.load(out, storage_reader=TieredStorageReader(engine), checkpoint_id="7", planner=SafeLoadPlanner())
+    assert torch.equal(out["model"]["w"], small_state()["model"]["w"])
+
+
+def test_engine_restore_reads_a_dcp_step_and_load_points_to_restore(engine):
+    state = small_state(1)
+    dcp.save(state, storage_writer=TieredStorageWriter(engine, 9))
+    out = zeros(state)
+    assert engine.restore(out) == 9
+    assert torch.equal(out["model"]["b"], state["model"]["b"]) and out["meta"] == state["meta"]
+    with pytest.raises(FormatError, match="saved through torch.distributed.checkpoint"):
+        engine.load(9)
+
+
+def test_reader_refuses_a_step_saved_by_one_process(engine):
+    engine.save(3, small_state()).wait()
+    # DCP wraps storage errors in its CheckpointException (a BaseException), whose text carries ours.
+    with pytest.raises(BaseException, match="not saved through torch.distributed.checkpoint"):
+        dcp.load(zeros(small_state()), storage_reader=TieredStorageReader(engine, 3), planner=SafeLoadPlanner())
+
+
+def test_bad_step_ids_are_clear_errors(engine):
+    with pytest.raises(BaseException, match="needs a step"):
+        dcp.save(small_state(), storage_writer=TieredStorageWriter(engine))
+    with pytest.raises(ValueError, match="must be a step number"):
+        TieredStorageWriter(engine, "/ckpt/last")
+    assert not TieredStorageWriter.validate_checkpoint_id("s3://bucket/x")
+    assert TieredStorageReader.validate_checkpoint_id(12)
+
+
+class Custom:
+    """A class a pickle would have to import and build."""
+
+
+def test_safe_load_planner_refuses_pickled_objects(engine):
+    state = small_state()
+    state["meta"] = {"obj": Custom()}
+    dcp.save(state, storage_writer=TieredStorageWriter(engine, 4))
+    out = zeros(small_state())
+    out["meta"] = {"obj": None}
+    with pytest.raises(BaseException, match="[Ww]eights only load failed|Unsupported global"):
+        dcp.load(out, storage_reader=TieredStorageReader(engine, 4), planner=SafeLoadPlanner())
+
+
+def test_metadata_json_round_trip_and_hostile_input(engine):
+    dcp.save(small_state(), storage_writer=TieredStorageWriter(engine, 6))
+    raw = (engine.tier.step_dir(6) / DCP_METADATA).read_bytes()
+    md = metadata_from_json(raw, "m")
+    assert set(md.state_dict_metadata) >= {"model.w", "model.b", "step"}
+    assert md.state_dict_metadata["model.w"].size == torch.Size([300, 500])
+    doc = json.loads(raw)
+
+    def bad(change, match):
+        d = json.loads(raw)
+        change(d)
+        with pytest.raises(FormatError, match=match):
+            metadata_from_json(json.dumps(d).encode(), "m")
+
+    bad(lambda d: d.update(version=2), "version 2 is not supported")
+    bad(lambda d: d["state_dict_metadata"]["model.w"].update(dtype="float128"), "unknown dtype")
+    bad(lambda d: d["state_dict_metadata"]["model.w"]["chunks"][0].__setitem__(1, [301, 500]), "lies outside")
+    bad(lambda d: d["items"].append(["nope", None, None, 0, 0]), "bad item")
+    bad(lambda d: d["items"][0].__setitem__(3, "0"), "bad item")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        metadata_from_json(b"{", "m")
+    assert doc["format"] == "tiered-dcp-metadata"
+
+
+def test_tampered_metadata_is_caught_by_the_manifest(engine):
+    dcp.save(small_state(), storage_writer=TieredStorageWriter(engine, 8))
+    path = engine.tier.step_dir(8) / DCP_METADATA
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b"300")] = ord("4")  # same size, other content
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BaseException, match="does not match the manifest"):
+        dcp.load(zeros(small_state()), storage_reader=TieredStorageReader(engine, 8), planner=SafeLoadPlanner())
