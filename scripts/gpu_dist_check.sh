@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Distributed GPU check (issue 5), on a machine with 2+ GPUs: an FSDP2 model and its AdamW state
 # saved at 2 ranks (NCCL) through Engine.save and through dcp.save, loaded at 2 and at 1 rank,
-# compared bit for bit with the full state gathered at save time.
+# compared bit for bit with the full state gathered at save time; five more Engine.save calls
+# (the cached plan) print how long each blocked training.
 # Usage (from the repository root):  bash scripts/gpu_dist_check.sh [OUTDIR]
 set -uo pipefail
 out=${1:-${OUT:-./gpu-dist-check}}
@@ -19,12 +20,16 @@ run() {  # nproc, then the worker's arguments
   local n=$1; shift
   echo "== torchrun $n ranks: $*"
   python3 -m torch.distributed.run --nproc_per_node="$n" --master_addr=127.0.0.1 --master_port=$((29500 + RANDOM % 1000)) \
-    tests/dist_worker.py "$@" --config "$work/fsdp.yaml" --fsdp "$work/ref-$step.pt"
+    tests/dist_worker.py "$@" --config "$work/fsdp.yaml" --fsdp "$work/ref-$step.pt" --width 2048 --layers 8
 }
 status=0
 for how in engine dcp; do
-  step=$([ $how = engine ] && echo 1 || echo 2)
-  run 2 save --step $step --how $how || status=1
+  step=$([ $how = engine ] && echo 1 || echo 20)
+  if [ $how = engine ]; then
+    run 2 save --step $step --how $how --repeats 5 || status=1   # prints the warm saves' stall
+  else
+    run 2 save --step $step --how $how || status=1
+  fi
   run 2 load --step $step --how $how || status=1
   run 1 load --step $step --how $how || status=1
 done

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,21 +60,22 @@ def check(state: dict) -> None:
         raise SystemExit(f"rank {dist.get_rank()}: extra is {state['extra']}")
 
 
-def fsdp_state(zeros: bool):
-    """An FSDP2 model with AdamW after two steps (zeros: freshly built, one step so the
-    optimizer state exists), and its sharded state_dict."""
+def fsdp_state(zeros: bool, width: int, layers: int):
+    """An FSDP2 model (`layers` linear layers of `width`) with AdamW after two steps (zeros:
+    freshly built, one step so the optimizer state exists), and its sharded state_dict."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)], torch.nn.Linear(512, 10)).cuda()
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)],
+                                torch.nn.Linear(width, 10)).cuda()
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for i in range(1 if zeros else 2):
         torch.manual_seed(100 + i)
-        model(torch.randn(8, 512, device="cuda")).sum().backward()
+        model(torch.randn(8, width, device="cuda")).sum().backward()
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
@@ -135,6 +137,24 @@ def chunks_needed_for_rows(world: int, rank: int, chunk: int) -> int:
     return n
 
 
+def warm_saves(engine, state, step: int, repeats: int, cuda: bool) -> None:
+    """Save steps step+1..step+repeats; rank 0 prints each save's stall (the call, plus the GPU
+    work the current stream waits for) and the DCP planning part of it."""
+    rows = []
+    for i in range(1, repeats + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handle = engine.save(step + i, state)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        rows.append((1e3 * (time.perf_counter() - t0), handle.timings["dcp_plan_ms"]))
+        handle.wait()
+    if rows and dist.get_rank() == 0:
+        print("warm saves at %d ranks: stall ms %s; of which DCP planning ms %s" % (
+            dist.get_world_size(), [round(a, 1) for a, _ in rows], [round(b, 1) for _, b in rows]), file=sys.stderr)
+
+
 def save_fails_on_rank_1(engine, state, step: int) -> None:
     """Rank 1's disk is full: every rank's save of `step` fails, nothing is committed, and the
     next save (disk space back) commits."""
@@ -175,6 +195,11 @@ def main() -> None:
     ap.add_argument("--tier", default=None)
     ap.add_argument("--migrate", action="store_true", help="after saving, wait until the step is on every tier")
     ap.add_argument("--fsdp", default=None, help="FSDP2 on CUDA; the full reference state goes to this file")
+    ap.add_argument("--width", type=int, default=512, help="--fsdp model width")
+    ap.add_argument("--layers", type=int, default=4, help="--fsdp model depth")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="after the save of --step, save steps step+1..step+N (warm: the cached plan) and print "
+                         "how long each blocked the training loop")
     args = ap.parse_args()
     cuda = args.fsdp is not None
     if cuda:
@@ -183,7 +208,7 @@ def main() -> None:
     mesh = None if cuda else init_device_mesh("cpu", (dist.get_world_size(),))
     engine = Engine.from_config(args.config)
     try:
-        state = fsdp_state(zeros=args.mode == "load") if cuda else build(mesh, zeros=args.mode == "load")
+        state = fsdp_state(args.mode == "load", args.width, args.layers) if cuda else build(mesh, args.mode == "load")
         if args.mode == "save-fail":
             save_fails_on_rank_1(engine, state, args.step)
         elif args.mode == "save":
@@ -191,6 +216,7 @@ def main() -> None:
                 handle = engine.save(args.step, state)
                 manifest = handle.wait()
                 assert manifest.world_size == dist.get_world_size(), manifest
+                warm_saves(engine, state, args.step, args.repeats, cuda)
             elif args.how == "dcp":
                 dcp.save(state, storage_writer=TieredStorageWriter(engine, args.step))
             else:

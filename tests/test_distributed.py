@@ -64,18 +64,19 @@ def write_config(path: Path, tiers: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Steps 100 (Engine.save) and 101 (dcp.save) saved at 4 ranks on one local tier."""
+    """Steps 100-102 (Engine.save; 101 and 102 with the cached plan) and 110 (dcp.save) saved at
+    4 ranks on one local tier."""
     root = tmp_path_factory.mktemp("dist")
     cfg = write_config(root / "local.yaml", [{"name": "local", "kind": "local", "path": str(root / "nvme"),
                                              "codec": "zstd"}])
-    torchrun(4, "save", "--config", cfg, "--step", "100", "--how", "engine")
-    torchrun(4, "save", "--config", cfg, "--step", "101", "--how", "dcp")
+    torchrun(4, "save", "--config", cfg, "--step", "100", "--how", "engine", "--repeats", "2")
+    torchrun(4, "save", "--config", cfg, "--step", "110", "--how", "dcp")
     return root, cfg
 
 
 def test_save_at_4_ranks_writes_each_ranks_files_and_one_manifest(saved):
     root, _ = saved
-    for step in (100, 101):
+    for step in (100, 101, 102, 110):
         d = root / "nvme" / f"step_{step:012d}"
         manifest = json.loads((d / "MANIFEST.json").read_text())
         assert manifest["world_size"] == 4 and manifest["dcp"]["file"] == "dcp_metadata.json"
@@ -90,7 +91,7 @@ def test_save_at_4_ranks_writes_each_ranks_files_and_one_manifest(saved):
 @pytest.mark.parametrize("how", ["engine", "dcp"])
 def test_load_at_any_world_size_is_bit_exact(saved, nproc, how):
     _, cfg = saved
-    torchrun(nproc, "load", "--config", cfg, "--step", "100" if how == "engine" else "101", "--how", how)
+    torchrun(nproc, "load", "--config", cfg, "--step", "102" if how == "engine" else "110", "--how", how)
 
 
 def test_dcp_async_save_on_tiered_storage(tmp_path):

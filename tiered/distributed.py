@@ -20,6 +20,7 @@ exchange goes through the store, not collectives, so it never interleaves with t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -48,6 +49,10 @@ class DistributedSaver:
         self.engine = engine
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         engine._bind_rank(self.rank, self.world)
+        self._cached: tuple[Any, Any, Any] | None = None
+        """(this rank's local plan items, its final plan, the coordinator's metadata) of the last save."""
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
         self._jobs: "queue.Queue[Any]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="tiered-commit", daemon=True)
         self._thread.start()
@@ -63,16 +68,26 @@ class DistributedSaver:
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
         local = planner.create_local_plan()
-        gathered = [None] * self.world if coordinator else None
-        dist.gather_object(local, gathered, dst=0)
         metadata = None
-        scattered = [None] * self.world if coordinator else None
-        if coordinator:
-            plans, metadata = planner.create_global_plan(gathered)
-            scattered = writer.prepare_global_plan(plans)
-        out = [None]
-        dist.scatter_object_list(out, scattered, src=0)
-        final = planner.finish_plan(out[0])
+        # Every save of a training run has the same structure: when no rank's local plan changed
+        # (one all-reduce of a flag tells), the last global plan is reused, without gathering and
+        # scattering the plans again.
+        same = self._cached is not None and self._cached[0] == local.items
+        if self._all(same):
+            final = planner.finish_plan(self._cached[1])
+            if coordinator:
+                metadata = dataclasses.replace(self._cached[2], storage_meta=writer.storage_meta())
+        else:
+            gathered = [None] * self.world if coordinator else None
+            dist.gather_object(local, gathered, dst=0)
+            scattered = [None] * self.world if coordinator else None
+            if coordinator:
+                plans, metadata = planner.create_global_plan(gathered)
+                scattered = writer.prepare_global_plan(plans)
+            out = [None]
+            dist.scatter_object_list(out, scattered, src=0)
+            final = planner.finish_plan(out[0])
+            self._cached = (local.items, final, metadata)
         plan_ms = 1e3 * (time.perf_counter() - t0)
         rank_handle = writer.stage(final, planner)
         handle = SaveHandle(step)
@@ -83,11 +98,30 @@ class DistributedSaver:
             handle.timings = dict(rank_handle.timings)
             rank_handle.staged.add_done_callback(lambda f: _mirror(f, handle.staged))
         handle.timings["dcp_plan_ms"] = plan_ms
-        with self.engine._lock:
-            self.engine._inflight[step] = handle
-        self._jobs.put((step, list(final.items), rank_handle, metadata, final.storage_data, handle))
+        with self._lock:
+            self._pending.append(handle)
+        # A save id per step: the cached plan carries the id of the save that made it.
+        self._jobs.put((step, list(final.items), rank_handle, metadata, f"{final.storage_data}/{step}", handle))
         handle.stall_s = time.perf_counter() - t0
         return handle
+
+    def _all(self, flag: bool) -> bool:
+        """`flag` holds on every rank (an all-reduce of one int on the default group)."""
+        backend = str(dist.get_backend())
+        device = "cpu" if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def wait(self) -> None:
+        """Wait until every queued save is committed or has failed (failures: the engine raises them)."""
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if not pending:
+                return
+            for h in pending:
+                h.persisted.exception()
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -106,15 +140,12 @@ class DistributedSaver:
                 log.error("tiered: %s", err)
                 with self.engine._lock:
                     self.engine._error = self.engine._error or err
-                    self.engine._inflight.pop(step, None)
                 if not handle.staged.done():
                     handle.staged.set_exception(err)
                 handle.persisted.set_exception(err)
                 continue
             if self.engine._migrator is not None:
                 self.engine._migrator.submit(step)
-            with self.engine._lock:
-                self.engine._inflight.pop(step, None)
             handle.persisted.set_result(manifest)
 
     def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any, save_id: str) -> Manifest:

@@ -299,6 +299,8 @@ class Engine:
         """Wait for every in-flight save to be persisted; raise the first background failure."""
         while self._adopting:  # dcp.save's steps, committed on this node once rank 0 has
             self._adopting.pop().join()
+        if self._dist is not None:  # distributed saves: committed by rank 0, in the background
+            self._dist.wait()
         while True:
             with self._lock:
                 pending = list(self._inflight.values())
