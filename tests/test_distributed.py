@@ -131,6 +131,13 @@ def test_restored_from_s3_only(tmp_path, s3_server, s3_bucket):
     for nproc in (4, 2, 1):
         torchrun(nproc, "load", "--config", cfg, "--step", "200", "--how", "engine")
     torchrun(2, "load", "--config", cfg, "--step", "200", "--how", "dcp", "--tier", "s3")
+    # A cold start: tiered-restore copies every rank's files down to the local tier, verified.
+    from tiered.cli import restore_main
+
+    assert restore_main(["--config", cfg, "-q"]) == 0
+    manifest = json.loads((nvme / "step_000000000200" / "MANIFEST.json").read_text())
+    assert [r["rank"] for r in manifest["ranks"]] == [0, 1, 2, 3] and manifest["dcp"]
+    torchrun(3, "load", "--config", cfg, "--step", "200", "--how", "engine", "--tier", "local")
 
 
 def test_two_nodes_commit_locally_and_each_migrates_its_own_ranks(tmp_path):
