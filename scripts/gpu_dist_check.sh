@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Distributed GPU check (issue 5), on a machine with 2+ GPUs: an FSDP2 model and its AdamW state
-# saved at 2 ranks (NCCL) through Engine.save and through dcp.save, loaded at 2 and at 1 rank,
-# compared bit for bit with the full state gathered at save time; five more Engine.save calls
+# saved at 2 ranks (NCCL) through Engine.save, dcp.save and dcp.async_save (tiered.dcp.GpuStager),
+# loaded at 2 and at 1 rank, compared bit for bit with the full state gathered at save time; five more Engine.save calls
 # (the cached plan) print how long each blocked training.
 # Usage (from the repository root):  bash scripts/gpu_dist_check.sh [OUTDIR]
 set -uo pipefail
@@ -23,15 +23,16 @@ run() {  # nproc, then the worker's arguments
     tests/dist_worker.py "$@" --config "$work/fsdp.yaml" --fsdp "$work/ref-$step.pt" --width 2048 --layers 8
 }
 status=0
-for how in engine dcp; do
-  step=$([ $how = engine ] && echo 1 || echo 20)
+for how in engine dcp async; do
+  step=$(case $how in engine) echo 1;; dcp) echo 20;; async) echo 30;; esac)
   if [ $how = engine ]; then
     run 2 save --step $step --how $how --repeats 5 || status=1   # prints the warm saves' stall
   else
     run 2 save --step $step --how $how || status=1
   fi
-  run 2 load --step $step --how $how || status=1
-  run 1 load --step $step --how $how || status=1
+  load_how=$([ $how = async ] && echo dcp || echo $how)
+  run 2 load --step $step --how $load_how || status=1
+  run 1 load --step $step --how $load_how || status=1
 done
 python3 - "$work/nvme" <<'PY' || status=1
 import json, pathlib, sys

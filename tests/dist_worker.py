@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tiered.dcp import SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
+from tiered.dcp import GpuStager, SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
 from tiered.engine import Engine
 
 
@@ -219,8 +219,9 @@ def main() -> None:
                 warm_saves(engine, state, args.step, args.repeats, cuda)
             elif args.how == "dcp":
                 dcp.save(state, storage_writer=TieredStorageWriter(engine, args.step))
-            else:
-                dcp.async_save(state, storage_writer=TieredStorageWriter(engine, args.step)).result()
+            else:  # DCP's background save; staged with tiered's GpuStager (copies on the device)
+                dcp.async_save(state, storage_writer=TieredStorageWriter(engine, args.step),
+                               async_stager=GpuStager()).result()
             if args.migrate:
                 engine.wait_migrated()
             if cuda:

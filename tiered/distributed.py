@@ -4,7 +4,7 @@ Save, on every rank (`DistributedSaver.save`):
 
     DCP's DefaultSavePlanner plans (gather the local plans to the coordinator, which removes
     duplicates of replicated tensors, scatter the final plans)    -- collectives on the default group
-    -> TieredStorageWriter.stage: this rank's items are staged as a single-process save stages
+    -> TieredStorageWriter.stage_items: this rank's items are staged as a single-process save stages
        (GPU tensors compressed on their GPU); save() returns here
     background, in save order (one thread per engine):
     -> this rank's data file and index are durable on its node-local tier
@@ -89,7 +89,13 @@ class DistributedSaver:
             final = planner.finish_plan(out[0])
             self._cached = (local.items, final, metadata)
         plan_ms = 1e3 * (time.perf_counter() - t0)
-        rank_handle = writer.stage(final, planner)
+        save_id = f"{final.storage_data}/{step}"  # the cached plan carries the id of the save that made it
+        try:
+            rank_handle = writer.stage_items(final, planner)
+        except BaseException as exc:
+            # The other ranks go on; tell the coordinator at once rather than let it wait.
+            store().set(_rank_key(save_id, self.rank), json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
+            raise
         handle = SaveHandle(step)
         if rank_handle is None:
             handle.staged.set_result(step)
@@ -100,8 +106,7 @@ class DistributedSaver:
         handle.timings["dcp_plan_ms"] = plan_ms
         with self._lock:
             self._pending.append(handle)
-        # A save id per step: the cached plan carries the id of the save that made it.
-        self._jobs.put((step, list(final.items), rank_handle, metadata, f"{final.storage_data}/{step}", handle))
+        self._jobs.put((step, list(final.items), rank_handle, metadata, save_id, handle))
         handle.stall_s = time.perf_counter() - t0
         return handle
 
@@ -150,16 +155,15 @@ class DistributedSaver:
 
     def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any, save_id: str) -> Manifest:
         s = store()
-        key = f"tiered/{save_id}/rank/"
         try:
             results = results_of(items, rank_handle.persisted.result(), self.rank) if rank_handle is not None else []
-            s.set(f"{key}{self.rank}", _encode_results(results))
+            s.set(_rank_key(save_id, self.rank), _encode_results(results))
         except BaseException as exc:
-            s.set(f"{key}{self.rank}", json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
+            s.set(_rank_key(save_id, self.rank), json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
             raise
         if self.rank == 0:
             try:
-                keys = [f"{key}{r}" for r in range(self.world)]
+                keys = [_rank_key(save_id, r) for r in range(self.world)]
                 s.wait(keys, COMMIT_TIMEOUT)
                 posted = [json.loads(s.get(k)) for k in keys]
                 failed = [p["error"] for p in posted if isinstance(p, dict)]
@@ -175,6 +179,11 @@ class DistributedSaver:
             post_commit(self.engine, save_id, manifest)
             return manifest
         return adopt_commit(self.engine, step, save_id)
+
+
+def _rank_key(save_id: str, rank: int) -> str:
+    """Where a rank posts what it wrote (or why it could not)."""
+    return f"tiered/{save_id}/rank/{rank}"
 
 
 def _mirror(src: Any, dst: Any) -> None:
