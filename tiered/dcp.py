@@ -507,22 +507,29 @@ class TieredStorageReader(StorageReader):
         return TieredStorageWriter.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except BaseException as exc:
+            # Some DCP versions (2.11) swallow this error and raise "metadata is None": say why here.
+            log.error("tiered: cannot load step %s through DCP: %s", self.step, exc)
+            raise
+
+    def _read_metadata(self) -> Metadata:
         self.step, self._order = self.engine._sources(self.step, self.tier_name)
-        errors = []
+        errors: list[BaseException] = []
         for tier in self._order:
             try:
                 manifest = read_manifest(tier, self.step)
                 if manifest.dcp is None:
-                    raise FormatError(f"{tier.describe(self.step, 'MANIFEST.json')}: step {self.step} was not saved "
-                                      "through torch.distributed.checkpoint; load it with Engine.restore / Engine.load")
+                    raise NotSavedThroughDcp(
+                        f"{tier.describe(self.step, 'MANIFEST.json')}: step {self.step} was not saved through "
+                        "torch.distributed.checkpoint; load it with Engine.restore / Engine.load")
                 self.metadata = metadata_from_json(read_pinned(tier, self.step, manifest.dcp),
                                                    tier.describe(self.step, manifest.dcp.name))
                 self._manifest = manifest
                 return self.metadata
-            except FormatError as exc:
-                if manifest_is_not_dcp(exc):
-                    raise
-                errors.append(exc)
+            except NotSavedThroughDcp:
+                raise
             except (TieredError, OSError) as exc:
                 errors.append(exc)
             log.warning("tiered: step %d: cannot read its DCP metadata on tier %r: %s", self.step, tier.name,
@@ -592,8 +599,8 @@ class TieredStorageReader(StorageReader):
             self.engine.close()
 
 
-def manifest_is_not_dcp(exc: BaseException) -> bool:
-    return "was not saved through torch.distributed.checkpoint" in str(exc)
+class NotSavedThroughDcp(FormatError):
+    """The step was saved by one process (Engine.save without torch.distributed)."""
 
 
 def _strides(shape: Sequence[int]) -> list[int]:
