@@ -159,6 +159,14 @@ def test_two_nodes_commit_locally_and_each_migrates_its_own_ranks(tmp_path):
         manifest = json.loads((d / "MANIFEST.json").read_text())
         assert [r["rank"] for r in manifest["ranks"]] == [0, 1, 2, 3]
         assert all((d / r["index_file"]).is_file() for r in manifest["ranks"])
+    # Each node's tools see its own ranks on its NVMe, and all of them on the shared tier.
+    out = subprocess.run([sys.executable, "-m", "tiered.cli", "verify", "--config", configs[1], "--step", "300"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ranks [2, 3] of 4 here" in out.stdout and out.stdout.count("ok ") == 2
+    out = subprocess.run([sys.executable, "-m", "tiered.cli", "ls", "--config", configs[0]], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "(2 of 4 ranks here)" in out.stdout and "UNREADABLE" not in out.stdout, out.stdout
     shutil.rmtree(tmp_path / "nvme1")
     two_nodes(configs, "load", "--step", "300", "--how", "engine")
     torchrun(1, "load", "--config", configs[0], "--step", "301", "--how", "dcp")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from tiered.config import Config, load_config
 from tiered.errors import ConfigError, TieredError
-from tiered.format import read_step
+from tiered.format import present_ranks, read_pinned, read_step
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
@@ -193,14 +193,15 @@ def cmd_ls(args: argparse.Namespace, cluster: Cluster) -> int:
     for name, held in committed.items():
         for step in held or ():
             try:
-                manifest, indexes = read_step(cluster.tier(name), step)
+                manifest, indexes = _read_here(cluster, name, step)
             except (TieredError, OSError) as exc:
                 cells[step, name] = {"error": str(exc)}
                 continue
             codecs = sorted({t.codec.name for ix in indexes for t in ix.tensors if t.chunks})
             cells[step, name] = {"raw_bytes": manifest.raw_bytes, "stored_bytes": manifest.stored_bytes,
                                  "saved": manifest.saved_fraction, "codecs": codecs, "created": manifest.created,
-                                 "ranks": manifest.world_size}
+                                 "ranks": manifest.world_size, "ranks_listed": len(manifest.ranks),
+                                 "ranks_here": [ix.rank for ix in indexes]}
     if args.json:
         print(json.dumps({"tiers": {n: (None if s is None else s) for n, s in committed.items()},
                           "steps": [{"step": st, **{n: cells.get((st, n)) for n in cluster.names}} for st in steps]},
@@ -224,14 +225,23 @@ def cmd_ls(args: argparse.Namespace, cluster: Cluster) -> int:
             elif "error" in c:
                 row.append("UNREADABLE")
             else:
+                here = "" if len(c["ranks_here"]) == c["ranks_listed"] else \
+                    f" ({len(c['ranks_here'])} of {c['ranks']} ranks here)"
                 row.append(f"{format_size(c['stored_bytes'])} {'+'.join(c['codecs']) or 'empty'} "
-                           f"{100 * c['saved']:.1f}%")
+                           f"{100 * c['saved']:.1f}%{here}")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(c.rjust(w) if i < 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     print("cells: stored size, codecs, % saved against the raw state")
     return EXIT_OK
+
+
+def _read_here(cluster: Cluster, name: str, step: int) -> tuple[Any, list[Any]]:
+    """The step's manifest and indexes on tier `name`. The fast tier is node-local: of a step
+    saved by several nodes it holds this node's ranks only. Every other tier must hold them all."""
+    tier = cluster.tier(name)
+    return present_ranks(tier, step) if name == cluster.names[0] else read_step(tier, step)
 
 
 # --- tiered verify -------------------------------------------------------------------------
@@ -268,7 +278,9 @@ def _verify_steps(cluster: Cluster, work: list[tuple[str, int]], *, quick: bool,
         for name, step in work:
             tier = cluster.tier(name)
             try:
-                manifest, indexes = read_step(tier, step)
+                manifest, indexes = _read_here(cluster, name, step)
+                if manifest.dcp is not None:
+                    read_pinned(tier, step, manifest.dcp)  # size and checksum against the manifest
                 bar = Progress(f"verify {name} step {step}", manifest.raw_bytes, enabled=show)
                 notes = verify_step(tier, step, indexes, pool, cluster.config.zstd, quick=quick, progress=bar)
                 bar.finish()
@@ -276,6 +288,10 @@ def _verify_steps(cluster: Cluster, work: list[tuple[str, int]], *, quick: bool,
                 bad += 1
                 print(f"DAMAGED  tier {name!r} step {step}: {exc}")
                 continue
+            if len(indexes) < len(manifest.ranks):
+                # A node-local tier of a multi-node save holds this node's ranks only.
+                notes += (f"; ranks {[ix.rank for ix in indexes]} of {manifest.world_size} here (the others are "
+                          "on their own nodes' tiers)")
             print(f"ok       tier {name!r} step {step}: {format_size(manifest.stored_bytes)}, "
                   f"{sum(len(t.chunks) for ix in indexes for t in ix.tensors)} chunks{notes}")
     return EXIT_FAILED if bad else EXIT_OK

@@ -36,7 +36,7 @@ from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, Z
 from tiered.cpu import decode_into, pad_extent, read_chunk, read_windows, stored_extent, verified
 from tiered.errors import CodecUnavailableError, TieredError
 from tiered.format import (MAX_INDEX_BYTES, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord,
-                           index_file_name, read_manifest, read_pinned, read_rank_index, read_step)
+                           index_file_name, present_ranks, read_manifest, read_pinned, read_step)
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.units import format_rate, format_size
@@ -95,16 +95,6 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     log.info("tiered: step %d migrated %s -> %s: %s stored (%.1f%% saved) in %.2f s", step, src.name, dst.name,
              format_size(stored), 100 * new_manifest.saved_fraction, time.perf_counter() - t0)
     return new_manifest
-
-
-def present_ranks(src: Any, step: int) -> tuple[Manifest, list[RankIndex]]:
-    """A committed step's manifest and the indexes of the ranks whose files `src` holds. A step
-    saved by several nodes is committed on each node's local tier with that node's ranks only."""
-    manifest = read_manifest(src, step)
-    if manifest.dcp is None:
-        return read_step(src, step)
-    return manifest, [read_rank_index(src, step, e) for e in manifest.ranks
-                      if src.file_size(step, e.index_file) is not None]
 
 
 def _migrate_ranks(step: int, src: Any, dst: Any, *, codec, settings, pool, gpu, progress) -> Manifest | None:
