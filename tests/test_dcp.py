@@ -11,7 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tiered import Engine
-from tiered.dcp import DCP_METADATA, SafeLoadPlanner, TieredStorageReader, TieredStorageWriter, metadata_from_json
+from tiered.dcp import SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
+from tiered.dcp_commit import DCP_METADATA, metadata_from_json
 from tiered.errors import FormatError
 
 

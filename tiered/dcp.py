@@ -6,7 +6,8 @@ DCP's planner decides what each rank writes (replicated tensors once, shards by 
 and what each rank reads (resharding: any world size to any other). Storage then works as in
 the single-process engine: each rank stages its items (GPU tensors compressed on their GPU) and
 writes ``rank_NNNNN.data`` and its index to its node-local tier; the coordinator writes the DCP
-metadata and the manifest last, once every rank's files are durable (see docs/distributed.md).
+metadata and the manifest last, once every rank's files are durable (tiered.dcp_commit; see
+docs/distributed.md).
 
 StorageWriter call order (DCP's): reset(step) -> set_up_storage_writer -> prepare_local_plan ->
 (coordinator) prepare_global_plan -> write_data -> (coordinator) finish.
@@ -14,64 +15,36 @@ StorageReader call order: reset(step) -> read_metadata -> set_up_storage_reader 
 prepare_local_plan -> (coordinator) prepare_global_plan -> read_data.
 
 The DCP metadata is stored as JSON (``dcp_metadata.json``, pinned by the manifest), never pickled.
+Loading with `SafeLoadPlanner` unpickles nothing either (non-tensor values: weights_only=True).
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import datetime as _dt
 import io
-import json
 import logging
 import os
 import threading
-import time
 import uuid
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
                                                   SavePlanner, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered import checksum, tree
+from tiered.dcp_commit import (StoredItem, adopt_in_background, commit_step, metadata_from_json,
+                               multi_rank, post_commit, post_failure, results_of)
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format import (DTYPES, FileEntry, Manifest, RankEntry, RankIndex, TensorRecord,
-                           dtype_name, read_manifest, read_pinned, read_rank_index)
+from tiered.format import Manifest, RankEntry, RankIndex, TensorRecord, read_manifest, read_pinned, read_rank_index
 
 __all__ = ["GpuStager", "SafeLoadPlanner", "TieredStorageReader", "TieredStorageWriter"]
 
 log = logging.getLogger("tiered")
-DCP_METADATA = "dcp_metadata.json"
-_KIND = "tiered-dcp-metadata"
-
-
-@dataclass(frozen=True)
-class RankSummary:
-    """What the manifest needs of one rank's durable files."""
-
-    entry: RankEntry
-    raw_bytes: int
-    stored_bytes: int
-
-
-@dataclass(frozen=True)
-class StoredItem:
-    """Where DCP's item lives: tensor `tensor` of rank `rank`'s index (WriteResult.storage_data)."""
-
-    rank: int
-    tensor: int
-    files: RankSummary | None = None
-    """On one result per rank (its first): that rank's files, for the manifest."""
 
 
 def _engine(engine_or_config: Any) -> tuple[Any, bool]:
@@ -158,10 +131,10 @@ class TieredStorageWriter(StorageWriter):
         fut: Future = Future()
         self.save_id = plan.storage_data
         handle = self.stage_items(plan, planner)
-        if not self.is_coordinator and isinstance(self.save_id, str) and _multi_rank():
+        if not self.is_coordinator and isinstance(self.save_id, str) and multi_rank():
             # dcp.save gives no rank but the coordinator a hook after the commit: a thread waits
             # for the coordinator's post and commits the step on this node's tier as well.
-            t = threading.Thread(target=_adopt_quietly, args=(self.engine, self.step, self.save_id), daemon=True,
+            t = threading.Thread(target=adopt_in_background, args=(self.engine, self.step, self.save_id), daemon=True,
                                  name="tiered-adopt")
             t.start()
             self.engine._adopting.append(t)  # Engine.close() waits for it
@@ -206,10 +179,10 @@ class TieredStorageWriter(StorageWriter):
             manifest = commit_step(self.engine, self.step, metadata, [r for rank in results for r in rank],
                                    self.world_size)
         except BaseException as exc:
-            if isinstance(save_id, str) and _multi_rank():
+            if isinstance(save_id, str) and multi_rank():
                 post_failure(save_id, repr(exc))
             raise
-        if isinstance(save_id, str) and _multi_rank():
+        if isinstance(save_id, str) and multi_rank():
             post_commit(self.engine, save_id, manifest)
         if self.engine._migrator is not None:
             self.engine._migrator.submit(self.step)
@@ -264,205 +237,6 @@ def _copy_tree(node: Any, gpus: set) -> Any:
     if isinstance(node, tuple) and not hasattr(node, "_fields"):
         return tuple(_copy_tree(v, gpus) for v in node)
     return node
-
-
-def results_of(items: Sequence[Any], files: Any, rank: int) -> list[WriteResult]:
-    """DCP's WriteResults for `items` (WriteItems, in the order they were staged) once the rank's
-    files (a RankFiles) are durable: item i is tensor i of the rank's index."""
-    stored = {rec.index: rec.stored_bytes for rec in files.index.tensors}
-    summary = RankSummary(files.entry, files.raw_bytes, files.stored_bytes)
-    return [WriteResult(index=item.index, size_in_bytes=stored[i],
-                        storage_data=StoredItem(rank, i, summary if i == 0 else None))
-            for i, item in enumerate(items)]
-
-
-def commit_step(engine: Any, step: int, metadata: Metadata, results: Sequence[WriteResult], world_size: int) -> Manifest:
-    """Write `metadata` (with where each item is stored) and the manifest listing every rank
-    that stored anything: the commit. Every rank's files must be durable already."""
-    locations = {r.index: r.storage_data for r in results}
-    files = sorted((r.storage_data.files for r in results if r.storage_data.files is not None),
-                   key=lambda f: f.entry.rank)
-    if not files:
-        raise TieredError(f"step {step}: no rank stored anything")
-    raw = metadata_to_json(metadata, locations)
-    tier = engine.tier
-    tier.write_file(step, DCP_METADATA, raw)
-    manifest = Manifest(step=step, world_size=world_size, ranks=tuple(f.entry for f in files),
-                        raw_bytes=sum(f.raw_bytes for f in files), stored_bytes=sum(f.stored_bytes for f in files),
-                        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                        writer=f"tiered {_version()}", dcp=FileEntry(DCP_METADATA, len(raw), checksum.wsum64(raw)))
-    tier.commit(step, manifest.to_json())
-    log.info("tiered: step %d committed by %d ranks: %d bytes -> %d (%.1f%% saved)", step, len(files),
-             manifest.raw_bytes, manifest.stored_bytes, 100 * manifest.saved_fraction)
-    return manifest
-
-
-# --- the commit across nodes (through the c10d store) ----------------------------------------
-
-COMMIT_TIMEOUT = timedelta(minutes=30)
-"""How long ranks wait for each other's posts (files durable, the coordinator's commit)."""
-
-
-def _multi_rank() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def store() -> Any:
-    """The key-value store of the default process group (torchrun's rendezvous store)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
-def commit_key(save_id: str) -> str:
-    return f"tiered/{save_id}/commit"
-
-
-def post_commit(engine: Any, save_id: str, manifest: Manifest) -> None:
-    dcp_raw = engine.tier.read_file(manifest.step, manifest.dcp.name, manifest.dcp.size)
-    store().set(commit_key(save_id), json.dumps({"manifest": base64.b64encode(manifest.to_json()).decode(),
-                                                 "dcp": base64.b64encode(dcp_raw).decode()}))
-
-
-def post_failure(save_id: str, why: str) -> None:
-    store().set(commit_key(save_id), json.dumps({"error": why}))
-
-
-def adopt_commit(engine: Any, step: int, save_id: str) -> Manifest:
-    """Wait for the coordinator's commit of `step`; on a node other than the coordinator's, its
-    local rank 0 commits the same manifest (and DCP metadata) on this node's tier, where this
-    node's ranks' files are; the other local ranks wait until it has."""
-    s = store()
-    s.wait([commit_key(save_id)], COMMIT_TIMEOUT)
-    posted = json.loads(s.get(commit_key(save_id)))
-    if "error" in posted:
-        raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")
-    raw = base64.b64decode(posted["manifest"])
-    manifest = Manifest.from_json(raw, f"step {step}'s manifest from rank 0")
-    tier = engine.tier
-    if int(os.environ.get("LOCAL_RANK", engine.rank)) == 0:
-        if not tier.has_step(step):
-            tier.write_file(step, manifest.dcp.name, base64.b64decode(posted["dcp"]))
-            tier.commit(step, raw)
-    else:
-        deadline = time.monotonic() + COMMIT_TIMEOUT.total_seconds()
-        while not tier.has_step(step):
-            if time.monotonic() > deadline:
-                raise TieredError(f"step {step}: local rank 0 did not commit it on {tier.root}")
-            time.sleep(0.02)
-    return manifest
-
-
-def _adopt_quietly(engine: Any, step: int, save_id: str) -> None:
-    try:
-        adopt_commit(engine, step, save_id)
-    except BaseException as exc:  # noqa: BLE001 - a thread of its own: logged
-        log.error("tiered: step %d: this node did not commit it: %s", step, exc)
-        return
-    if engine._migrator is not None:
-        engine._migrator.submit(step)
-
-
-def _version() -> str:
-    from tiered.engine import _version
-
-    return _version()
-
-
-# --- the metadata as JSON --------------------------------------------------------------------
-
-def metadata_to_json(md: Metadata, locations: dict[MetadataIndex, StoredItem]) -> bytes:
-    """DCP's Metadata (and where each item is stored) as JSON: what `metadata_from_json` reads."""
-    entries = {}
-    for fqn, meta in md.state_dict_metadata.items():
-        if isinstance(meta, BytesStorageMetadata):
-            entries[fqn] = {"type": "bytes"}
-        elif isinstance(meta, TensorStorageMetadata):
-            p = meta.properties
-            if p.layout != torch.strided:
-                raise TieredError(f"{fqn}: layout {p.layout} is not supported (strided tensors only)")
-            entries[fqn] = {"type": "tensor", "dtype": dtype_name(p.dtype), "size": list(meta.size),
-                            "requires_grad": bool(p.requires_grad),
-                            "chunks": [[list(c.offsets), list(c.sizes)] for c in meta.chunks]}
-        else:
-            raise TieredError(f"{fqn}: unknown DCP storage metadata {type(meta).__name__}")
-    items = [[idx.fqn, None if idx.offset is None else list(idx.offset), idx.index, loc.rank, loc.tensor]
-             for idx, loc in locations.items()]
-    sm = md.storage_meta
-    skeleton, leaves = tree.flatten(md.planner_data)
-    if leaves:
-        raise TieredError("the planner's data holds tensors; tiered stores planner data as plain JSON only")
-    doc = {"format": _KIND, "version": 1, "dcp_version": md.version, "state_dict_metadata": entries,
-           "items": items, "planner_data": skeleton,
-           "storage_meta": None if sm is None else {
-               "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-               "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-def metadata_from_json(raw: bytes, source: str) -> Metadata:
-    """The Metadata `metadata_to_json` wrote, validated; storage_data maps items to StoredItems."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise FormatError(f"{source}: not valid JSON ({type(exc).__name__}: {exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != _KIND:
-        raise FormatError(f"{source}: not a {_KIND} document")
-    if doc.get("version") != 1:
-        raise FormatError(f"{source}: version {doc.get('version')!r} is not supported; upgrade tiered to read it")
-
-    def ints(val: Any, what: str) -> list[int]:
-        if not isinstance(val, list) or not all(type(x) is int and 0 <= x < 1 << 62 for x in val):
-            raise FormatError(f"{source}: {what} is not a list of non-negative integers")
-        return val
-
-    entries: dict[str, Any] = {}
-    sd = doc.get("state_dict_metadata")
-    if not isinstance(sd, dict):
-        raise FormatError(f"{source}: state_dict_metadata is not an object")
-    for fqn, e in sd.items():
-        if not isinstance(e, dict) or e.get("type") not in ("bytes", "tensor"):
-            raise FormatError(f"{source}: {fqn}: bad entry")
-        if e["type"] == "bytes":
-            entries[fqn] = BytesStorageMetadata()
-            continue
-        if e.get("dtype") not in DTYPES:
-            raise FormatError(f"{source}: {fqn}: unknown dtype {e.get('dtype')!r}")
-        size = ints(e.get("size"), f"{fqn}: size")
-        chunks = []
-        for c in e.get("chunks") if isinstance(e.get("chunks"), list) else [None]:
-            if not isinstance(c, list) or len(c) != 2:
-                raise FormatError(f"{source}: {fqn}: bad chunk {c!r}")
-            off, sizes = ints(c[0], f"{fqn}: chunk offsets"), ints(c[1], f"{fqn}: chunk sizes")
-            if len(off) != len(size) or len(sizes) != len(size) or any(
-                    o + n > s for o, n, s in zip(off, sizes, size)):
-                raise FormatError(f"{source}: {fqn}: chunk {c} lies outside the tensor's size {size}")
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sizes)))
-        entries[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=DTYPES[e["dtype"]], requires_grad=bool(e.get("requires_grad"))),
-            size=torch.Size(size), chunks=chunks)
-    locations = {}
-    if not isinstance(doc.get("items"), list):
-        raise FormatError(f"{source}: items is not a list")
-    for it in doc["items"]:
-        if not isinstance(it, list) or len(it) != 5 or not isinstance(it[0], str) or it[0] not in entries \
-                or not (it[2] is None or type(it[2]) is int) or type(it[3]) is not int or type(it[4]) is not int:
-            raise FormatError(f"{source}: bad item {str(it)[:120]}")
-        offset = None if it[1] is None else torch.Size(ints(it[1], f"{it[0]}: offset"))
-        locations[MetadataIndex(it[0], offset, it[2])] = StoredItem(it[3], it[4])
-    try:
-        planner_data = tree.decode(doc.get("planner_data"), lambda i: None)
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise FormatError(f"{source}: planner_data: {exc}") from None
-    sm = doc.get("storage_meta")
-    storage_meta = None
-    if isinstance(sm, dict):
-        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
-                                   load_id=sm.get("load_id"), modules=list(sm.get("modules") or []))
-    return Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=locations,
-                    storage_meta=storage_meta, version=doc.get("dcp_version"))
 
 
 # --- reading ---------------------------------------------------------------------------------

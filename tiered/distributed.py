@@ -10,7 +10,7 @@ Save, on every rank (`DistributedSaver.save`):
     -> this rank's data file and index are durable on its node-local tier
     -> it posts its WriteResults to the job's key-value store (c10d's store, as torchrun sets up)
     -> the coordinator waits for every rank's post, writes the DCP metadata and the manifest
-       (`tiered.dcp.commit_step`), and posts the manifest
+       (`tiered.dcp_commit.commit_step`), and posts the manifest
     -> every node's local rank 0 commits that same manifest on its own node-local tier, so each
        node sees the step (holding its own ranks' files); each rank queues its migration.
 
@@ -34,8 +34,9 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from tiered.dcp import (COMMIT_TIMEOUT, RankSummary, SafeLoadPlanner, StoredItem, TieredStorageReader,
-                        TieredStorageWriter, adopt_commit, commit_step, post_commit, post_failure, results_of, store)
+from tiered.dcp import SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
+from tiered.dcp_commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
+                               post_failure, results_of, store)
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest, RankEntry
 

@@ -27,8 +27,8 @@ from tiered import checksum, cpu, tree
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, FormatError,
                            StateDictError, TieredError)
-from tiered.format import (ALIGNMENT, read_manifest, read_step, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord,
-                           data_file_name, dtype_name, index_file_name)
+from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
+                           dtype_name, index_file_name, read_manifest, read_step)
 from tiered.plan import PlanCache, SavePlan
 from tiered.staging import HostPool
 from tiered.tiers.local import LocalTier
@@ -363,7 +363,7 @@ class Engine:
 
                 step = agree_on_step(step, lambda: self._sources(None, tier)[0])
             step, order = self._sources(step, tier)
-            if read_manifest(order[0], step).dcp is not None:
+            if _saved_through_dcp(order, step):
                 from tiered.distributed import restore_dcp
 
                 restore_dcp(self, state_dict, step, strict=strict, tier=tier)
@@ -615,6 +615,17 @@ class Engine:
                                          data_bytes),
                          index=index, raw_bytes=job.handle.raw_bytes,
                          stored_bytes=sum(c.size for cs in chunks.values() for c in cs))
+
+
+def _saved_through_dcp(order: Sequence[Any], step: int) -> bool:
+    """Whether `step` was saved through DCP, from the first of `order` whose manifest reads (a
+    damaged one is left to the restore's own fallback to report)."""
+    for tier in order:
+        try:
+            return read_manifest(tier, step).dcp is not None
+        except (TieredError, OSError):
+            continue
+    return False
 
 
 @dataclass(frozen=True)
