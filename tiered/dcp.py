@@ -15,7 +15,7 @@ StorageReader call order: reset(step) -> read_metadata -> set_up_storage_reader 
 prepare_local_plan -> (coordinator) prepare_global_plan -> read_data.
 
 The DCP metadata is stored as JSON (``dcp_metadata.json``, pinned by the manifest), never pickled.
-Loading with `SafeLoadPlanner` unpickles nothing either (non-tensor values: weights_only=True).
+Loading with `SafeLoadPlanner` reads non-tensor values with torch.load(weights_only=True): no arbitrary objects.
 """
 
 from __future__ import annotations
