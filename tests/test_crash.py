@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
