@@ -258,3 +258,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything is checked and the process group destroyed. Skip the interpreter's teardown:
+    # once in a clean-clone CI run, a rank aborted there after "ok" ("terminate called without
+    # an active exception", SIGABRT), the known class of gloo worker threads outliving the
+    # interpreter (pytorch/pytorch#179291 discusses it); it would fail a run that had passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
