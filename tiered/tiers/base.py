@@ -27,6 +27,14 @@ from typing import Any, Protocol
 
 import torch
 
+from tiered.errors import TieredError
+
+
+def committed_error(tier: str, step: int, where: str) -> TieredError:
+    """Why a step cannot be (re)written: steps are immutable once committed."""
+    return TieredError(f"step {step} is already committed in tier {tier!r} ({where}); "
+                       "steps are immutable: save under a new step number")
+
 
 class DataWriter(Protocol):
     io_mode: str

@@ -25,6 +25,7 @@ import torch
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
                            step_dir_name)
+from tiered.tiers.base import committed_error
 
 log = logging.getLogger("tiered")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -77,6 +78,17 @@ def _on(defaults: Any, key: str) -> str:
         return "on" if defaults.get(key) else "off"
     except (KeyError, ValueError, AttributeError):  # an older KvikIO without the setting
         return "n/a"
+
+
+def _durable_tmp(path: Path, data: bytes) -> Path:
+    """`data` written and fsync'd beside `path`, under a temporary name of this process and
+    thread (ranks of other nodes may write the same file into a shared directory)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
 
 
 def fsync_dir(path: Path) -> None:
@@ -344,31 +356,32 @@ class LocalTier:
         return (self.step_dir(step) / MANIFEST_NAME).is_file()
 
     def begin_step(self, step: int) -> None:
-        d = self.step_dir(step)
-        if (d / MANIFEST_NAME).exists():
-            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({d}); "
-                              "steps are immutable: save under a new step number")
+        d = self._uncommitted_dir(step)
         if d.exists():
             log.info("tiered: removing uncommitted leftovers of step %d in %s", step, d)
             shutil.rmtree(d)
-        try:
-            d.mkdir(parents=True)
-        except OSError as exc:
-            raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
+        self._make_dir(d)
 
     def begin_rank(self, step: int, rank: int) -> None:
         """Start one rank's files of a step that several ranks write into one directory: refuse a
         committed step, remove only this rank's leftovers (others may be writing beside it)."""
+        d = self._uncommitted_dir(step)
+        self._make_dir(d)
+        for name in rank_file_names(rank):
+            (d / name).unlink(missing_ok=True)
+
+    def _uncommitted_dir(self, step: int) -> Path:
         d = self.step_dir(step)
         if (d / MANIFEST_NAME).exists():
-            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({d}); "
-                              "steps are immutable: save under a new step number")
+            raise committed_error(self.name, step, str(d))
+        return d
+
+    @staticmethod
+    def _make_dir(d: Path) -> None:
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
-        for name in rank_file_names(rank):
-            (d / name).unlink(missing_ok=True)
 
     def discard_rank(self, step: int, rank: int) -> None:
         """Remove one rank's files of an uncommitted step (never those of a committed step)."""
@@ -431,21 +444,11 @@ class LocalTier:
         # By rename, so that a reader never sees a partial file even where several nodes write
         # the same file (a step's DCP metadata on a shared tier).
         path = self.step_dir(step) / name
-        tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(_durable_tmp(path, data), path)
 
     def commit(self, step: int, manifest: bytes) -> None:
         d = self.step_dir(step)
-        # A name of its own: ranks of other nodes may commit the same bytes into a shared directory.
-        tmp = d / f"{MANIFEST_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = _durable_tmp(d / MANIFEST_NAME, manifest)
         fsync_dir(d)
         os.replace(tmp, d / MANIFEST_NAME)
         fsync_dir(d)

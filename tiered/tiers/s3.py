@@ -20,6 +20,7 @@ from typing import Any
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name, step_dir_name
+from tiered.tiers.base import committed_error
 
 log = logging.getLogger("tiered")
 _MIN_PART = 5 * 1024 * 1024  # S3's minimum for every part but the last
@@ -234,8 +235,7 @@ class S3Tier:
 
     def begin_step(self, step: int) -> None:
         if self.has_step(step):
-            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({self.describe(step, '')}); "
-                              "steps are immutable: save under a new step number")
+            raise committed_error(self.name, step, self.describe(step, ''))
         self._remove(step)
 
     def _remove(self, step: int) -> None:
@@ -262,8 +262,7 @@ class S3Tier:
         """Start one rank's objects of a step other ranks upload beside it: refuse a committed
         step, remove only this rank's leftovers."""
         if self.has_step(step):
-            raise TieredError(f"step {step} is already committed in tier {self.name!r} ({self.describe(step, '')}); "
-                              "steps are immutable: save under a new step number")
+            raise committed_error(self.name, step, self.describe(step, ''))
         self._remove_rank(step, rank)
 
     def discard_rank(self, step: int, rank: int) -> None:
