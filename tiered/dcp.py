@@ -265,7 +265,8 @@ class TieredStorageReader(StorageReader):
         self.engine, self._owns = _engine(engine)
         self.step = None if step is None else _step_of(step)
         self.tier_name = tier
-        self._order: list[Any] = []
+        self.sources: list[Any] = []
+        """The tiers holding the step, fastest first: found by read_metadata unless set before."""
         self._manifest: Manifest | None = None
         self._manifests: dict[str, Manifest] = {}
         self.metadata: Metadata | None = None
@@ -273,6 +274,7 @@ class TieredStorageReader(StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
             self.step = _step_of(checkpoint_id)
+            self.sources = []  # another step: its tiers are looked up again
         self._manifest = self.metadata = None
         self._manifests = {}
 
@@ -289,9 +291,10 @@ class TieredStorageReader(StorageReader):
             raise
 
     def _read_metadata(self) -> Metadata:
-        self.step, self._order = self.engine._sources(self.step, self.tier_name)
+        if not self.sources:
+            self.step, self.sources = self.engine._sources(self.step, self.tier_name)
         errors: list[BaseException] = []
-        for tier in self._order:
+        for tier in self.sources:
             try:
                 manifest = read_manifest(tier, self.step)
                 if manifest.dcp is None:
@@ -343,13 +346,13 @@ class TieredStorageReader(StorageReader):
             if entry is None:
                 raise FormatError(f"step {self.step}: items are stored by rank {rank}, which the manifest does not list")
             tier, index = self._rank_index(entry)
-            _read_rank(self.engine, self.step, tier, self._order[self._order.index(tier) + 1:], index, items, planner)
+            _read_rank(self.engine, self.step, tier, self.sources[self.sources.index(tier) + 1:], index, items, planner)
 
     def _rank_index(self, entry: RankEntry) -> tuple[Any, RankIndex]:
         """The first tier (fastest first) holding the rank's index, and the index, checked
         against that tier's own manifest (a migration may have recompressed the rank there)."""
         last: BaseException | None = None
-        for tier in self._order:
+        for tier in self.sources:
             try:
                 if tier.name not in self._manifests:
                     self._manifests[tier.name] = read_manifest(tier, self.step)
@@ -365,7 +368,7 @@ class TieredStorageReader(StorageReader):
                             tier.name, exc)
         if last is None:
             raise CheckpointNotFoundError(f"step {self.step}: no tier holds rank {entry.rank}'s files "
-                                          f"(tried {', '.join(t.name for t in self._order)})")
+                                          f"(tried {', '.join(t.name for t in self.sources)})")
         raise last
 
     def close(self) -> None:

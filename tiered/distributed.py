@@ -225,9 +225,11 @@ def agree_on_step(step: int | None, find: Any) -> int:
     return box[0]
 
 
-def restore_dcp(engine: Any, state_dict: Any, step: int, *, strict: bool, tier: str | None) -> None:
-    """Load DCP-saved `step` into `state_dict` in place, resharding as DCP's planner decides."""
+def restore_dcp(engine: Any, state_dict: Any, step: int, order: list[Any], *, strict: bool) -> None:
+    """Load DCP-saved `step` into `state_dict` in place, resharding as DCP's planner decides,
+    from the tiers `order` (those holding the step, fastest first, as Engine._sources found them)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = TieredStorageReader(engine, step, tier=tier)
+    reader = TieredStorageReader(engine, step)
+    reader.sources = order
     dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))

@@ -228,12 +228,16 @@ class Engine:
         """
         with self._api_lock:
             if self._distributed():
-                self._check_open()
-                self._raise_background_error()
-                if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                    raise ValueError(f"step must be a non-negative integer, got {step!r}")
+                self._check_save(step)
                 return self._dist.save(step, state_dict)
             return self._save(step, state_dict)
+
+    def _check_save(self, step: int) -> None:
+        """Before any save: the engine is open, earlier background failures are raised, the step is valid."""
+        self._check_open()
+        self._raise_background_error()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
 
     def _distributed(self) -> bool:
         """torch.distributed runs with several ranks: saves and restores go through DCP (tiered.distributed)."""
@@ -252,10 +256,7 @@ class Engine:
         rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
         save that commits the step once every rank's files are durable."""
         t0 = time.perf_counter()
-        self._check_open()
-        self._raise_background_error()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        self._check_save(step)
         with self._lock:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
@@ -366,7 +367,7 @@ class Engine:
             if _saved_through_dcp(order, step):
                 from tiered.distributed import restore_dcp
 
-                restore_dcp(self, state_dict, step, strict=strict, tier=tier)
+                restore_dcp(self, state_dict, step, order, strict=strict)
                 source = order[0].name
             else:
                 loaded, source = self._load(step, state_dict, strict=strict, device=None, order=order)
