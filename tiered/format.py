@@ -426,7 +426,6 @@ def present_ranks(src: Any, step: int) -> tuple[Manifest, list[RankIndex]]:
     """A committed step's manifest and the indexes of the ranks whose files `src` holds. A step
     saved by several nodes is committed on each node's local tier with that node's ranks only."""
     manifest = read_manifest(src, step)
-    if manifest.dcp is None:
-        return read_step(src, step)
-    return manifest, [read_rank_index(src, step, e) for e in manifest.ranks
-                      if src.file_size(step, e.index_file) is not None]
+    entries = manifest.ranks if manifest.dcp is None else \
+        [e for e in manifest.ranks if src.file_size(step, e.index_file) is not None]
+    return manifest, [read_rank_index(src, step, e) for e in entries]

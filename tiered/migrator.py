@@ -36,7 +36,7 @@ from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, Z
 from tiered.cpu import decode_into, pad_extent, read_chunk, read_windows, stored_extent, verified
 from tiered.errors import CodecUnavailableError, TieredError
 from tiered.format import (MAX_INDEX_BYTES, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord,
-                           index_file_name, present_ranks, read_manifest, read_pinned, read_step)
+                           index_file_name, present_ranks, read_pinned)
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.units import format_rate, format_size
@@ -66,10 +66,11 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     """
     if dst.has_step(step):
         return None
-    if read_manifest(src, step).dcp is not None:
-        return _migrate_ranks(step, src, dst, codec=codec, settings=settings, pool=pool, gpu=gpu, progress=progress)
     t0 = time.perf_counter()
-    manifest, indexes = read_step(src, step)
+    manifest, indexes = present_ranks(src, step)  # a step saved by one process: every rank, as read_step
+    if manifest.dcp is not None:
+        return _migrate_ranks(step, src, dst, manifest, indexes, codec=codec, settings=settings, pool=pool, gpu=gpu,
+                              progress=progress)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
     dst.begin_step(step)
@@ -97,12 +98,12 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     return new_manifest
 
 
-def _migrate_ranks(step: int, src: Any, dst: Any, *, codec, settings, pool, gpu, progress) -> Manifest | None:
-    """Migrate a step saved through DCP: copy the ranks whose files `src` holds (this node's),
-    then commit on `dst` if every rank's files are there by now. Nodes do this independently;
-    whichever finishes last commits (the same bytes, whoever writes them)."""
+def _migrate_ranks(step: int, src: Any, dst: Any, manifest: Manifest, indexes: list[RankIndex], *, codec, settings,
+                   pool, gpu, progress) -> Manifest | None:
+    """Migrate a step saved through DCP: copy the ranks whose files `src` holds (`indexes`: this
+    node's), then commit on `dst` if every rank's files are there by now. Nodes do this
+    independently; whichever finishes last commits (the same bytes, whoever writes them)."""
     t0 = time.perf_counter()
-    manifest, indexes = present_ranks(src, step)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
     begun = []
