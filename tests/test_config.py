@@ -30,6 +30,7 @@ def test_example_cluster_config():
     assert shared.keep_last == 10 and shared.keep_every == 5000 and s3.codec == "zstd"
     assert isinstance(s3, S3TierConfig) and s3.bucket == "my-team-checkpoints" and s3.region == "us-east-1"
     assert cfg.budgets.gpu_buffer == 8 * 2**30 and cfg.chunk_size == 2**20
+    assert s3.max_attempts == 10 and s3.timeout == 60.0 and s3.part_size == 64 * 2**20
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -88,6 +89,16 @@ LOCAL = {"name": "local", "kind": "local", "path": "/tmp/x"}
      "tiers[1].aws_secret_access_key", "never read from YAML"),
     (dict(tiers=[LOCAL, {"name": "p", "kind": "posix", "path": "/y", "codec": "ans"}]), "tiers[1].codec",
      "needs a GPU"),
+    (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "max_attempts": 0}]), "tiers[1].max_attempts",
+     "must be 1..100"),
+    (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "max_attempts": "3"}]), "tiers[1].max_attempts",
+     "expected an integer"),
+    (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "timeout": -1}]), "tiers[1].timeout",
+     "more than 0"),
+    (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "timeout": "60s"}]), "tiers[1].timeout",
+     "expected an integer or a number"),
+    (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "part_size": "1MiB"}]), "tiers[1].part_size",
+     "5MiB..5GiB"),
 ])
 def test_bad_fields_name_file_and_field(tmp_path, doc, field, message):
     import yaml

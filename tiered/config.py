@@ -94,6 +94,13 @@ class S3TierConfig(TierConfig):
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
+    part_size: int = 64 * 1024**2
+    """Bytes per part of a data file's multipart upload (5 MiB to 5 GiB; smaller files are one PUT)."""
+    max_attempts: int = 10
+    """Attempts per S3 request (botocore's adaptive retry mode: throttling, 5xx answers and lost
+    connections are retried with exponential backoff and jitter; 4xx answers fail at once)."""
+    timeout: float = 60.0
+    """Seconds to connect, and to wait on a connection that has gone silent, before the attempt counts as failed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,10 +313,19 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
         bucket = f.typed("bucket", str, required=True)
         if not bucket:
             raise f.error("bucket", "must not be empty")
+        part_size = f.size("part_size", 64 * 1024**2)
+        if not 5 * 1024**2 <= part_size <= 5 * 1024**3:
+            raise f.error("part_size", f"must be 5MiB..5GiB (S3's limits for a part), got {part_size}")
+        max_attempts = f.typed("max_attempts", int, 10)
+        if not 1 <= max_attempts <= 100:
+            raise f.error("max_attempts", f"must be 1..100 (attempts per request, the first included), got {max_attempts}")
+        timeout = f.typed("timeout", (int, float), 60.0)
+        if not 0 < timeout <= 3600:
+            raise f.error("timeout", f"must be more than 0 and at most 3600 seconds, got {timeout}")
         tier = S3TierConfig(bucket=bucket, prefix=f.typed("prefix", str, "").strip("/"),
                             endpoint_url=f.typed("endpoint_url", str, None),
                             region=f.typed("region", str, None), profile=f.typed("profile", str, None),
-                            **common)
+                            part_size=part_size, max_attempts=max_attempts, timeout=float(timeout), **common)
     f.finish()
     return tier
 

@@ -18,7 +18,8 @@ def make_tier(config: TierConfig) -> Tier:
         from tiered.tiers.s3 import S3Tier
 
         return S3Tier(config.name, config.bucket, config.prefix, endpoint_url=config.endpoint_url,
-                      region=config.region, profile=config.profile)
+                      region=config.region, profile=config.profile, part_size=config.part_size,
+                      max_attempts=config.max_attempts, timeout=config.timeout)
     raise TypeError(f"unknown tier config {type(config).__name__}")
 
 

@@ -35,8 +35,11 @@ def _boto3() -> Any:
 
 
 def _client_error(exc: Exception, what: str) -> TieredError:
-    """A clear, credential-free message for a failed S3 call."""
-    code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+    """A clear, credential-free message for a failed S3 call (an S3 error answer, or a connection
+    that failed: botocore's message names the endpoint, never a key)."""
+    code = _code(exc)
+    if not code:
+        return TieredError(f"{what}: {type(exc).__name__}: {exc}")
     hint = {
         "InvalidAccessKeyId": "the access key is not known to this endpoint",
         "SignatureDoesNotMatch": "the secret key does not match the access key",
@@ -171,7 +174,8 @@ class S3DataReader:
 
 
 def _code(exc: Exception) -> str:
-    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+    """The S3 error code of an answer ('' where none came: connection errors, timeouts)."""
+    return str((getattr(exc, "response", None) or {}).get("Error", {}).get("Code", ""))
 
 
 class S3Tier:
@@ -180,7 +184,7 @@ class S3Tier:
 
     def __init__(self, name: str, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
                  region: str | None = None, profile: str | None = None, part_size: int = 64 << 20,
-                 max_concurrency: int = 8):
+                 max_concurrency: int = 8, max_attempts: int = 10, timeout: float = 60.0):
         if part_size < _MIN_PART:
             raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum part)")
         self.name, self.bucket, self.prefix = name, bucket, prefix.strip("/")
@@ -189,8 +193,12 @@ class S3Tier:
         from botocore.config import Config
 
         session = boto3.session.Session(profile_name=profile, region_name=region)
+        # Retries belong to botocore's adaptive mode: throttling (SlowDown, 429), 5xx answers and
+        # lost or silent connections are retried with exponential backoff and full jitter (and
+        # throttling also slows this client's request rate); 4xx answers fail on the first attempt.
         self.client = session.client("s3", endpoint_url=endpoint_url, config=Config(
-            retries={"max_attempts": 8, "mode": "adaptive"}, max_pool_connections=max(10, 2 * max_concurrency)))
+            retries={"max_attempts": max_attempts, "mode": "adaptive"}, connect_timeout=timeout,
+            read_timeout=timeout, max_pool_connections=max(10, 2 * max_concurrency)))
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3-{name}")
         self.root = self.url("")
 
