@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -193,13 +194,18 @@ def test_engine_migrates_in_the_background_and_resumes(tmp_path, s3_server, s3_b
         assert engine.steps("s3") == [10, 20, 30]
 
 
-def test_migration_failure_keeps_the_step_and_is_reported(tmp_path, monkeypatch):
+def test_migration_failure_keeps_the_step_is_reported_and_retried(tmp_path, monkeypatch, caplog):
+    from tiered import migrator
     from tiered.tiers import posix
+
+    works = posix.PosixTier.open_data_writer
 
     def broken(self, step, name, device):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(posix.PosixTier, "open_data_writer", broken)
+    monkeypatch.setattr(migrator, "RETRY_FIRST_S", 0.5)
+    caplog.set_level(logging.INFO, logger="tiered")
     w = torch.randn(1000)
     with tiered.Engine.from_config(cluster(tmp_path, "zstd", migration="in_process")) as engine:
         engine.save(1, {"w": w}).wait()
@@ -207,6 +213,20 @@ def test_migration_failure_keeps_the_step_and_is_reported(tmp_path, monkeypatch)
             engine.wait_migrated(timeout=60)
         assert engine.steps() == [1] and engine.steps("shared") == []
         assert torch.equal(engine.load(1)["w"], w)
+        # The space comes back: the migrator's own retry (no new save, no restart) finishes the step.
+        monkeypatch.setattr(posix.PosixTier, "open_data_writer", works)
+        engine.wait_migrated(timeout=60)
+        assert engine.steps("shared") == [1]
+        assert torch.equal(engine.load(1, tier="shared")["w"], w)
+    assert "attempt 1" in caplog.text and "step 1 migrated after earlier failures" in caplog.text, caplog.text
+
+
+def test_retry_delays_double_up_to_the_cap():
+    from tiered.migrator import RETRY_FIRST_S, RETRY_MAX_S, retry_delay
+
+    delays = [retry_delay(n) for n in range(1, 12)]
+    assert delays[0] == RETRY_FIRST_S and delays[1] == 2 * RETRY_FIRST_S and delays[-1] == RETRY_MAX_S
+    assert delays == sorted(delays)
 
 
 @pytest.mark.gpu

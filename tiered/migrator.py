@@ -452,6 +452,17 @@ class MigrationLock:
             self._fd = -1
 
 
+RETRY_FIRST_S = 5.0
+"""Seconds before a failed step's first retry by the in-process migrator; doubled after each
+failure of that step, up to RETRY_MAX_S. (The S3 client has already retried each request itself.)"""
+RETRY_MAX_S = 300.0
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait before the next attempt at a step that has failed `failures` times."""
+    return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, failures - 1))
+
+
 class BackgroundMigrator:
     """Copies each committed step down the tiers on a thread of its own, one hop at a time (each
     tier from the one above it, so a step is recompressed once, where the codec changes), then
@@ -461,8 +472,10 @@ class BackgroundMigrator:
     are everywhere (raises the first failure since the last call); ``stop()`` finishes the queue
     and ends the thread. On start it takes the fast tier's migration lock (when a `tiered migrate`
     daemon holds it, this thread leaves migration to the daemon) and queues committed steps that
-    an earlier run left unmigrated. A failed migration leaves the step on the faster tiers:
-    nothing committed is ever lost.
+    an earlier run left unmigrated. A failed migration leaves the step on the faster tiers, where
+    nothing committed is ever lost, and is retried after `retry_delay` (5 s, doubling to 5 min)
+    until it succeeds; ``stop()`` does not wait for retries that are not due (the next run, or
+    `tiered migrate`, resumes them).
     """
 
     def __init__(self, config: Any, get_tier: Callable[[str], Any], make_gpu: Callable[[], "GpuRecoder | None"]):
@@ -474,6 +487,10 @@ class BackgroundMigrator:
         self._make_gpu = make_gpu
         self._queue: "queue.Queue[int | None]" = queue.Queue()
         self._pending: set[int] = set()
+        self._failures: dict[int, int] = {}
+        """Failed attempts per step still to be migrated."""
+        self._retry_at: dict[int, float] = {}
+        """Steps waiting for a retry, with the monotonic time it is due."""
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._scanned = threading.Event()
@@ -491,6 +508,8 @@ class BackgroundMigrator:
         self._queue.put(step)
 
     def wait(self, timeout: float | None = None) -> None:
+        """Block until every submitted step is on every tier (failed steps count as pending while
+        they wait for a retry); raise the first failure since the last call."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._scanned.wait(timeout)
         while True:
@@ -498,7 +517,7 @@ class BackgroundMigrator:
                 busy = sorted(self._pending)
                 err, self._error = self._error, None
             if err is not None:
-                raise TieredError(f"migration failed: {err!r}") from err
+                raise TieredError(f"migration failed: {err}") from err
             if not busy:
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -514,6 +533,20 @@ class BackgroundMigrator:
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
             self._error = self._error or exc
+
+    def _next(self) -> "int | None":
+        """The next step to migrate: a queued one, else the first retry that falls due; None to stop."""
+        while True:
+            with self._lock:
+                due = min(self._retry_at.items(), key=lambda kv: kv[1], default=None)
+            wait = None if due is None else max(0.0, due[1] - time.monotonic())
+            try:
+                return self._queue.get(timeout=wait)
+            except queue.Empty:
+                with self._lock:
+                    if self._retry_at.get(due[0]) == due[1]:
+                        del self._retry_at[due[0]]
+                        return due[0]
 
     def _run(self) -> None:
         lower_priority()
@@ -534,15 +567,31 @@ class BackgroundMigrator:
         finally:
             self._scanned.set()
         gpu: Any = False
-        while (step := self._queue.get()) is not None:
+        while (step := self._next()) is not None:
             try:
                 if gpu is False:
                     gpu = self._make_gpu()
                 migrate_down(step, self._config, self._get_tier, pool=self._pool, gpu=gpu)
-                apply_retention(self._config, self._get_tier)
             except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
-                log.error("tiered: migration of step %d failed (it stays on the faster tiers): %r", step, exc)
-                self._fail(exc)
-            finally:
                 with self._lock:
-                    self._pending.discard(step)
+                    n = self._failures[step] = self._failures.get(step, 0) + 1
+                    delay = retry_delay(n)
+                    self._retry_at[step] = time.monotonic() + delay
+                log.error("tiered: migration of step %d failed (attempt %d; it stays on the faster tiers, "
+                          "retried in %.0f s): %s", step, n, delay, exc)
+                self._fail(exc)
+                continue
+            with self._lock:
+                self._pending.discard(step)
+                if self._failures.pop(step, 0):
+                    log.info("tiered: step %d migrated after earlier failures", step)
+            try:
+                apply_retention(self._config, self._get_tier)
+            except BaseException as exc:  # noqa: BLE001 - nothing is deleted that a slower tier lacks
+                log.error("tiered: retention failed (retried after the next migration): %s", exc)
+                self._fail(exc)
+        with self._lock:
+            left = sorted(self._retry_at)
+        if left:
+            log.warning("tiered: steps %s are not migrated yet (their retries were not due): the next run, or "
+                        "`tiered migrate`, resumes them", left)
