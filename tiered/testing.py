@@ -42,6 +42,8 @@ class S3Server:
     secret_key: str
     process: subprocess.Popen
     log: Path
+    args: list[str]
+    env: dict[str, str]
 
     def aws_env(self) -> dict[str, str]:
         """Environment for clients: its keys, and no EC2 metadata lookups."""
@@ -71,6 +73,43 @@ class S3Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(5)
 
+    def kill(self) -> None:
+        """SIGKILL the server and everything it started (a crash: no shutdown work)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def start(self, timeout: float = 60.0) -> None:
+        """(Re)start the server on the same ports, data and keys; return once it answers."""
+        if self.process.poll() is None:
+            raise RuntimeError("the S3 server is already running")
+        with open(self.log, "a") as out:
+            self.process = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
+                              aws_secret_access_key=self.secret_key, region_name="us-east-1",
+                              config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5))
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited with {self.process.returncode}; "
+                                   f"log: {self.log.read_text()[-2000:]}")
+            try:
+                client.list_buckets()
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"SeaweedFS did not answer within {timeout} s; "
+                                       f"log: {self.log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
 
 def start_s3(data_dir: Path, timeout: float = 60.0) -> S3Server:
     weed = shutil.which("weed")
@@ -85,22 +124,6 @@ def start_s3(data_dir: Path, timeout: float = 60.0) -> S3Server:
     (data_dir / "data").mkdir(exist_ok=True)
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
     proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, log)
-    import boto3
-    from botocore.config import Config
-
-    client = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id=access,
-                          aws_secret_access_key=secret, region_name="us-east-1",
-                          config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5))
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"SeaweedFS exited with {proc.returncode}; log: {log.read_text()[-2000:]}")
-        try:
-            client.list_buckets()
-            return server
-        except Exception:  # noqa: BLE001 - not up yet
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"SeaweedFS did not answer within {timeout} s; log: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, log, args, env)
+    server.wait_ready(timeout)
+    return server
