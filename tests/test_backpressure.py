@@ -74,3 +74,51 @@ def test_saves_faster_than_the_disk_block_instead_of_buffering(tmp_path, monkeyp
         for s in (1, steps // 2, steps):
             out = engine.load(s)
             assert torch.equal(out["w"], states[s - 1]["w"]) and torch.equal(out["v"], states[s - 1]["v"])
+
+
+def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypatch):
+    """S3 stops answering (a hung server: connections accepted, never answered) while saves go on:
+    every save commits on the fast tier, and none waits for S3. Checked by order, not by time: S3
+    answered no request from the stall until all saves were durable, while the migrator kept
+    trying. Once S3 answers again, the migrator's retries bring every step down."""
+    from s3proxy import FaultProxy
+    from tiered import migrator
+
+    monkeypatch.setattr(migrator, "RETRY_FIRST_S", 0.5)
+    proxy = FaultProxy(s3_server.endpoint_url)
+    cfg = {"chunk_size": "64KiB", "migration": "in_process",
+           "budgets": {"host_buffer": "4MiB", "gpu_buffer": "4MiB", "pack_buffer": "1MiB"},
+           "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "none"},
+                     {"name": "s3", "kind": "s3", "bucket": s3_bucket, "endpoint_url": proxy.endpoint_url,
+                      "region": "us-east-1", "codec": "none", "timeout": 1, "max_attempts": 2}]}
+    steps = range(1, 9)
+    states = {s: state(s) for s in steps}
+    try:
+        with Engine.from_config(cfg) as engine:
+            engine.get_tier("s3").steps()
+            proxy.stall()
+            mark = len(proxy.log)
+            engine.save(1, states[1]).wait()
+            deadline = time.monotonic() + 60
+            while proxy.stalled_requests == 0:  # the migrator is now stuck on S3
+                assert time.monotonic() < deadline, "the migrator never reached S3"
+                time.sleep(0.05)
+            handles = [engine.save(s, states[s]) for s in steps[1:]]  # back to back: faster than anything drains
+            for h in handles:
+                h.wait()
+            during = proxy.log[mark:]
+            assert engine.steps("local") == list(steps)
+            assert engine._host.buffer.numel() <= 4 << 20
+            assert during and all(act == "stalled" for _, act in during), during  # S3 answered nothing
+            proxy.release()
+            deadline = time.monotonic() + 180
+            while engine.steps("s3") != list(steps):
+                try:
+                    engine.wait_migrated(timeout=max(1.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - failures from the stall, reported; retries go on
+                    assert time.monotonic() < deadline, "steps did not reach S3 after the stall"
+            for s in (1, 8):
+                out = engine.load(s, tier="s3")
+                assert torch.equal(out["w"], states[s]["w"]) and torch.equal(out["v"], states[s]["v"])
+    finally:
+        proxy.close()
