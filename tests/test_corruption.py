@@ -51,20 +51,24 @@ def pristine(tmp_path_factory):
     return root
 
 
-def damage(path: Path, how: str) -> str:
-    raw = bytearray(path.read_bytes())
+def damage(path: Path, how: str) -> None:
+    index = path.with_name(path.name.replace(".data", ".index.json"))
+    path.write_bytes(damaged(path.read_bytes(), path.name, how, index.read_bytes() if index.exists() else b""))
+
+
+def damaged(raw: bytes, name: str, how: str, index: bytes) -> bytes:
+    """`raw` truncated to half, or with one bit flipped: for a data file, inside the stored bytes
+    of chunk 1 of model.w (found through its `index`); elsewhere, in the middle."""
     if how == "truncate":
-        path.write_bytes(bytes(raw[:len(raw) // 2]))
-        return "truncated"
-    if path.name.endswith(".data"):
-        index = json.loads(path.with_name(path.name.replace(".data", ".index.json")).read_text())
-        offset, size = next(t["chunks"][1] for t in index["tensors"] if t["name"] == "model.w")[:2]
-        pos = offset + size // 2  # inside the stored bytes of chunk 1 of model.w
+        return raw[:len(raw) // 2]
+    out = bytearray(raw)
+    if name.endswith(".data"):
+        offset, size = next(t["chunks"][1] for t in json.loads(index)["tensors"] if t["name"] == "model.w")[:2]
+        pos = offset + size // 2
     else:
         pos = len(raw) // 2
-    raw[pos] ^= 0x10
-    path.write_bytes(bytes(raw))
-    return "flipped"
+    out[pos] ^= 0x10
+    return bytes(out)
 
 
 CASES = [(tier, name, how) for tier in ("nvme", "shared")
@@ -104,3 +108,50 @@ def test_with_no_good_copy_the_error_names_file_tensor_and_chunk(pristine, tmp_p
         engine.restore(zeros(), STEP)
     msg = str(info.value)
     assert "rank_00000.data" in msg and "'model.w'" in msg and "chunk 1 " in msg, msg
+
+
+S3_CASES = [(name, how) for name in ("rank_00000.data", "rank_00000.index.json", "MANIFEST.json")
+            for how in ("flip", "truncate")]
+
+
+@pytest.mark.parametrize("name,how", S3_CASES, ids=[f"{n.split('.')[-2] if n.count('.') > 1 else n}-{h}"
+                                                    for n, h in S3_CASES])
+def test_damage_on_s3_is_detected_reported_and_restored_around(tmp_path, s3_server, s3_bucket, name, how, caplog,
+                                                               capsys):
+    """Objects damaged in place on S3. With the local copy damaged the same way, the restore
+    reads the S3 copy; with both damaged, verify names the S3 object and the error names it too."""
+    import boto3
+
+    cfg = {"version": 1, "chunk_size": "64KiB", "migration": "external", "tiers": [
+        {"name": "local", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "zstd"},
+        {"name": "s3", "kind": "s3", "bucket": s3_bucket, "prefix": "run", "endpoint_url": s3_server.endpoint_url,
+         "region": "us-east-1", "codec": "zstd"}]}
+    path = tmp_path / "tiers.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with Engine.from_config(cfg) as engine:
+        engine.save(STEP, state()).wait()
+    assert cli(["migrate", "--config", str(path), "-q"]) == 0
+    caplog.set_level(logging.WARNING, logger="tiered")
+
+    damage(tmp_path / "nvme" / STEP_DIR / name, how)  # the local copy, read first, is bad: S3's is read
+    out = zeros()
+    with Engine.from_config(cfg) as engine:
+        assert engine.restore(out, STEP) == STEP
+    assert torch.equal(out["model"]["w"], state()["model"]["w"]) and torch.equal(out["model"]["b"], state()["model"]["b"])
+    assert "'s3'" in caplog.text or "s3://" in caplog.text, caplog.text
+
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1")
+    key = f"run/{STEP_DIR}/{name}"
+    index = s3.get_object(Bucket=s3_bucket, Key=f"run/{STEP_DIR}/rank_00000.index.json")["Body"].read()
+    raw = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=damaged(raw, name, how, index))
+    capsys.readouterr()
+    assert cli(["verify", "--config", str(path), "--tier", "s3", "--step", "all", "-q"]) == 1
+    report = capsys.readouterr().out
+    assert f"DAMAGED  tier 's3' step {STEP}" in report and name.split(".")[0] in report, report
+    with Engine.from_config(cfg) as engine, pytest.raises(TieredError) as info:
+        engine.restore(zeros(), STEP)
+    msg = str(info.value)
+    assert f"s3://{s3_bucket}/{key}" in msg or (name == "MANIFEST.json" and "s3" in msg), msg
+    if (name, how) == ("rank_00000.data", "flip"):
+        assert "'model.w'" in msg and "chunk 1 " in msg, msg

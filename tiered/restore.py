@@ -83,13 +83,14 @@ class ChunkRepair:
                     raw = cpu.read_chunk(other, j, self._readers[tier.name], self.settings)
                 except (TieredError, OSError) as exc:
                     log.warning("tiered: step %d: tier %r has no good copy either: %s", self.step, tier.name, exc)
+                    tried[-1] = f"{tier.name} ({exc})"
                     continue
                 self.repaired[tier.name] = self.repaired.get(tier.name, 0) + 1
                 if sum(self.repaired.values()) <= _DETAILED:
                     log.warning("tiered: step %d: %s; read tensor %r chunk %d from tier %r instead", self.step, why,
                                 rec.name, j, tier.name)
                 return raw
-        raise CorruptionError(f"{why}; no slower tier holds a good copy of it (tried: {', '.join(tried) or 'none'})")
+        raise CorruptionError(f"{why}; no slower tier holds a good copy of it (tried: {'; '.join(tried) or 'none'})")
 
     def close(self) -> None:
         for reader in self._readers.values():
