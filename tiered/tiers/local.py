@@ -109,7 +109,12 @@ class AlignedBuffer:
 
     def close(self) -> None:
         self.view.release()
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:
+            # A slice is still referenced (by the traceback of a failed write, which the save's
+            # error keeps): the mapping is freed with it. Raising here would hide that error.
+            pass
 
 
 class LocalDataWriter:
