@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from tiered import Engine
@@ -95,7 +96,7 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
     states = {s: state(s) for s in steps}
     try:
         with Engine.from_config(cfg) as engine:
-            engine.get_tier("s3").steps()
+            engine.wait_migrated(timeout=60)  # the migrator's start-up scan of S3 is done
             proxy.stall()
             mark = len(proxy.log)
             engine.save(1, states[1]).wait()
@@ -122,3 +123,52 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
                 assert torch.equal(out["w"], states[s]["w"]) and torch.equal(out["v"], states[s]["v"])
     finally:
         proxy.close()
+
+
+@pytest.mark.gpu
+def test_gpu_memory_does_not_grow_with_a_backlog(tmp_path, monkeypatch):
+    """GPU saves issued faster than a slowed disk drains: the engine's GPU memory (slab, pack
+    buffer, write staging, codec scratch) is what one save needs, however long the backlog."""
+    from tiered.gpu import write_staging_bytes
+
+    real = LocalDataWriter.write_device
+
+    def slow_write(self, offset, buf):
+        time.sleep(0.005)
+        return real(self, offset, buf)
+
+    monkeypatch.setattr(LocalDataWriter, "write_device", slow_write)
+    gpu_buffer, pack_buffer = 8 << 20, 4 << 20
+    cfg = {"chunk_size": "256KiB", "budgets": {"host_buffer": "8MiB", "gpu_buffer": gpu_buffer,
+                                               "pack_buffer": pack_buffer},
+           "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "ans"}]}
+    steps = 12
+
+    def gpu_state(step):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        return {"w": torch.randn(2 << 20, generator=g, device="cuda"),
+                "v": torch.randn(2 << 20, generator=g, device="cuda"), "step": step}  # 16 MiB each
+
+    states = [gpu_state(s) for s in range(steps + 1)]
+    with Engine.from_config(cfg) as engine:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.save(0, states[0]).wait()  # one save: slab, pack buffer and staging are allocated here
+        torch.cuda.synchronize()
+        one = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        handles = [engine.save(s, states[s]) for s in range(1, steps + 1)]
+        for h in handles:
+            h.wait()
+        torch.cuda.synchronize()
+        backlog = torch.cuda.max_memory_allocated() - base
+        saved = steps * 16 << 20
+        print(f"\nGPU memory of the engine: one save {one / 2**20:.1f} MiB, {steps} saves back to back "
+              f"{backlog / 2**20:.1f} MiB ({saved >> 20} MiB saved); budgets gpu_buffer {gpu_buffer >> 20} MiB + "
+              f"pack_buffer {pack_buffer >> 20} MiB + write staging 2 x {write_staging_bytes(gpu_buffer) >> 20} MiB")
+        assert backlog <= one + (1 << 20), (one, backlog)
+        assert backlog < saved / 4, (backlog, saved)
+        for s in (1, steps):
+            out = engine.load(s)
+            assert torch.equal(out["w"], states[s]["w"]) and torch.equal(out["v"], states[s]["v"])

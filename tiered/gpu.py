@@ -38,7 +38,14 @@ from tiered.units import round_up
 _PACK_ALIGN = 256
 _CHECKSUM_ROWS = 64
 _WRITE_STAGING = 64 << 20
-"""Bytes per coalesced write (two such GPU buffers per device): 4 KvikIO tasks of 16 MiB."""
+"""Bytes per coalesced write (two such GPU buffers per device): 4 KvikIO tasks of 16 MiB; less
+where the gpu_buffer budget is small (`write_staging_bytes`)."""
+
+
+def write_staging_bytes(gpu_buffer: int) -> int:
+    """Bytes of each of the two write staging buffers: _WRITE_STAGING, or a sixteenth of the
+    gpu_buffer budget where that is smaller (at least 1 MiB), so that small budgets stay small."""
+    return min(_WRITE_STAGING, max(1 << 20, gpu_buffer // 16 // ALIGNMENT * ALIGNMENT))
 
 
 @dataclass
@@ -216,22 +223,23 @@ class GpuDevice:
 
     def coalesce(self, seg: RowsSegment, extents: Sequence[int], writer: Any) -> Iterator[tuple[int, int, torch.Tensor, int]]:
         """Copy the rows' extents, in order, end to end into one of two GPU staging buffers of
-        _WRITE_STAGING bytes, yielding (first row, end row, the filled buffer, its slot) so that
+        `write_staging_bytes` bytes, yielding (first row, end row, the filled buffer, its slot) so that
         the caller issues one large write per buffer instead of one per chunk. Before refilling a
         slot it waits for the write that `hold(slot, writer, future)` registered on it (a write of
         an earlier, closed writer is complete). Rows larger than a buffer are yielded as they are
         (slot -1)."""
+        size = write_staging_bytes(self.budgets.gpu_buffer)
         with torch.cuda.device(self.index):
             if self._staging is None:
-                self._staging = [torch.empty(_WRITE_STAGING, dtype=torch.uint8, device=self.device) for _ in range(2)]
+                self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
             i, n = 0, len(extents)
             while i < n:
-                if extents[i] > _WRITE_STAGING:
+                if extents[i] > size:
                     yield i, i + 1, seg.rows[i, :extents[i]], -1
                     i += 1
                     continue
                 k, total = i, 0
-                while k < n and extents[k] <= _WRITE_STAGING - total:
+                while k < n and extents[k] <= size - total:
                     total += extents[k]
                     k += 1
                 slot = self._next_slot
