@@ -89,6 +89,8 @@ LOCAL = {"name": "local", "kind": "local", "path": "/tmp/x"}
      "tiers[1].aws_secret_access_key", "never read from YAML"),
     (dict(tiers=[LOCAL, {"name": "p", "kind": "posix", "path": "/y", "codec": "ans"}]), "tiers[1].codec",
      "needs a GPU"),
+    (dict(tiers=[LOCAL], on_fast_tier_error="skip"), "on_fast_tier_error", "expected fail or next_tier"),
+    (dict(tiers=[LOCAL], on_fast_tier_error="next_tier"), "on_fast_tier_error", "needs a second tier"),
     (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "max_attempts": 0}]), "tiers[1].max_attempts",
      "must be 1..100"),
     (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "max_attempts": "3"}]), "tiers[1].max_attempts",

@@ -112,6 +112,9 @@ class Config:
     migration: str = "in_process"
     """"in_process": a background thread of the training process copies each committed step down
     the tiers; "external": another process does (the engine only writes the fast tier)."""
+    on_fast_tier_error: str = "fail"
+    """"fail": a save the fast tier cannot take fails with an error naming the cause. "next_tier":
+    it is written to the next tier instead (see Engine.save)."""
     tiers: tuple[TierConfig, ...]
 
     @property
@@ -220,10 +223,15 @@ def _parse(data: object, source: str) -> Config:
     migration = top.typed("migration", str, "in_process")
     if migration not in ("in_process", "external"):
         raise top.error("migration", f"expected in_process or external, got {migration!r}")
+    on_error = top.typed("on_fast_tier_error", str, "fail")
+    if on_error not in ("fail", "next_tier"):
+        raise top.error("on_fast_tier_error", f"expected fail or next_tier, got {on_error!r}")
     raw_tiers = top.typed("tiers", list, required=True)
     top.finish()
     if not raw_tiers:
         raise top.error("tiers", "needs at least one tier (the first is the fast, node-local tier)")
+    if on_error == "next_tier" and len(raw_tiers) < 2:
+        raise top.error("on_fast_tier_error", "next_tier needs a second tier to fall back to")
     tiers = tuple(_parse_tier(t, source, f"tiers[{i}]") for i, t in enumerate(raw_tiers))
     if not isinstance(tiers[0], LocalTierConfig):
         raise ConfigError(f"{source}: tiers[0].kind: the first tier must be kind 'local' (node-local NVMe)")
@@ -231,7 +239,8 @@ def _parse(data: object, source: str) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"{source}: tiers[{i}].name: duplicate tier name {name!r}")
-    return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration, tiers=tiers)
+    return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration,
+                  on_fast_tier_error=on_error, tiers=tiers)
 
 
 def _parse_budgets(data: object, source: str, chunk_size: int) -> Budgets:

@@ -14,6 +14,7 @@ import datetime as _dt
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -24,12 +25,12 @@ from typing import Any, Sequence
 import torch
 
 from tiered import checksum, cpu, tree
-from tiered.config import Config, ConfigInput, load_config
+from tiered.config import CPU_DECODABLE_CODECS, Config, ConfigInput, load_config
 from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, FormatError,
                            StateDictError, TieredError)
 from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
                            dtype_name, index_file_name, read_manifest, read_step)
-from tiered.plan import PlanCache, SavePlan
+from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.staging import HostPool
 from tiered.tiers.local import LocalTier
 from tiered.units import format_size, round_up
@@ -48,7 +49,8 @@ class SaveHandle:
     """What `save()` returns. Two moments, two futures:
 
     - ``staged``: the state may change again (GPU: compression has read the tensors).
-    - ``persisted``: the step is durable and committed on the fast tier (result: its Manifest).
+    - ``persisted``: the step is durable and committed on the fast tier, or on the next tier where
+      ``on_fast_tier_error: next_tier`` sent it there (result: its Manifest; ``tier``: where).
     """
 
     step: int
@@ -59,10 +61,20 @@ class SaveHandle:
     raw_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds spent in each phase of `save()` (plan, per-GPU stage phases, CPU snapshot)."""
+    tier: str = ""
+    """The name of the tier the step is written to."""
+    _reported: Any = None
+    """Called with the failure this handle raised: the engine then does not raise it again."""
 
     def wait(self, timeout: float | None = None) -> Manifest:
-        """Block until persisted; return the committed manifest or raise the failure."""
-        return self.persisted.result(timeout)
+        """Block until persisted; return the committed manifest or raise the failure (once raised
+        here, the next `save()` or `Engine.wait()` does not raise it again)."""
+        try:
+            return self.persisted.result(timeout)
+        except BackgroundSaveError as exc:
+            if self._reported is not None:
+                self._reported(exc)
+            raise
 
     def done(self) -> bool:
         return self.persisted.done()
@@ -88,6 +100,8 @@ class _Job:
     """Set when save() has staged everything, or must wait for the writer to free memory.
     Until then the writer leaves the job alone, so it does not contend with save() for the GIL."""
     started: float = field(default_factory=time.perf_counter)
+    tier: Any = None
+    """Where the step is written: the fast tier, or the next one where the fast tier could not take it."""
     rank_only: bool = False
     """Write this rank's files only; the step is committed by the distributed save (tiered.dcp)."""
 
@@ -132,6 +146,8 @@ class Engine:
         self._codec = FastTierCodec(config, self.tier, self._pool, self._host, self._gpu_ready)
         self._migrator: Any = None
         self._dist: Any = None
+        self._falling_back = False
+        """The last save went to the next tier (on_fast_tier_error: next_tier)."""
         self._adopting: list[threading.Thread] = []
         """Threads committing dcp.save's steps on this node's tier once rank 0 has (tiered.dcp)."""
         if len(config.tiers) > 1 and config.migration == "in_process":
@@ -251,6 +267,38 @@ class Engine:
             self._dist = DistributedSaver(self)
         return True
 
+    def _begin(self, step: int, leaves: Sequence[Any]) -> Any:
+        """Start `step` on the tier that takes it and return that tier: the fast tier; with
+        ``on_fast_tier_error: next_tier``, the next tier where the fast one cannot take the step
+        (its step directory cannot be made: permission denied, read-only or missing filesystem;
+        or it has less free space than the step may need)."""
+        fast = self.tier
+        if self.config.on_fast_tier_error == "fail" or fast.has_step(step):
+            fast.begin_step(step)  # (a committed step is refused here, whatever the setting)
+            return fast
+        try:
+            fast.begin_step(step)
+            need = sum(-(-n // self.config.chunk_size) * ALIGNMENT + n
+                       for n in (leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)) + (1 << 20)
+            free = shutil.disk_usage(fast.root).free
+            if free < need:
+                fast.discard(step)
+                raise TieredError(f"{fast.root}: {format_size(free)} free, and the step may need up to "
+                                  f"{format_size(need)}")
+        except (TieredError, OSError) as exc:
+            other = self.get_tier(self.config.tiers[1].name)
+            other.begin_step(step)
+            if not self._falling_back:
+                log.warning("tiered: the fast tier %r cannot take step %d (%s): on_fast_tier_error is next_tier, so "
+                            "it and the next saves go to tier %r, through host memory, until the fast tier takes "
+                            "them again", fast.name, step, exc, other.name)
+            self._falling_back = True
+            return other
+        if self._falling_back:
+            log.warning("tiered: the fast tier %r takes saves again (from step %d)", fast.name, step)
+            self._falling_back = False
+        return fast
+
     def _save(self, step: int, state_dict: Any, *, rank_only: bool = False) -> SaveHandle:
         """Stage `state_dict` and queue its writing. With `rank_only`, the writer stops after this
         rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
@@ -261,14 +309,21 @@ class Engine:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
         skeleton, leaves = tree.flatten(state_dict)
-        plan = self._plans.plan(leaves, self._codec.codec, self.config.chunk_size, self._gpu_ready)
         if rank_only:
             self.tier.begin_rank(step, self.rank)
+            tier = self.tier
         else:
-            self.tier.begin_step(step)
-        handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all))
+            tier = self._begin(step, leaves)
+        if tier is self.tier:
+            plan = self._plans.plan(leaves, self._codec.codec, self.config.chunk_size, self._gpu_ready)
+        else:  # through host memory, in a codec every machine decodes (the slower tiers are portable)
+            codec = self.config.tiers[1].codec
+            plan = make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
+                             gpu_codecs=False)
+        handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all), tier=tier.name,
+                            _reported=self._reported)
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
-        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu), rank_only=rank_only)
+        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu), tier=tier, rank_only=rank_only)
         with self._lock:
             self._inflight[step] = handle
         self._jobs.put(job)
@@ -288,7 +343,8 @@ class Engine:
             raise
         job.segments.put(_END)
         job.go.set()
-        self._codec.after_save(plan, handle)
+        if tier is self.tier:
+            self._codec.after_save(plan, handle)
         if events:
             threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
         else:
@@ -495,6 +551,11 @@ class Engine:
         if self._closed:
             raise TieredError("this Engine is closed")
 
+    def _reported(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is exc:
+                self._error = None
+
     def _raise_background_error(self) -> None:
         with self._lock:
             err, self._error = self._error, None
@@ -516,7 +577,7 @@ class Engine:
             _drain(job)
             job.drop_tensors()
             # Uncommitted: invisible anyway; frees the space.
-            self.tier.discard_rank(job.step, self.rank) if job.rank_only else self.tier.discard(job.step)
+            job.tier.discard_rank(job.step, self.rank) if job.rank_only else job.tier.discard(job.step)
             err = BackgroundSaveError(job.step, exc)
             if not job.aborted:
                 log.error("tiered: %s", err)
@@ -536,7 +597,8 @@ class Engine:
 
     def wait_migrated(self, timeout: float | None = None) -> None:
         """Wait until every committed step queued for migration is on every tier; raise the
-        first migration failure since the last call."""
+        first migration failure since the last call. A failed step stays queued and is retried
+        (5 s, doubling to 5 min): after its failure is raised, a later call waits for the retry."""
         self.wait()
         if self._migrator is not None:
             self._migrator.wait(timeout)
@@ -550,17 +612,17 @@ class Engine:
             step=job.step, world_size=self.world_size, ranks=(files.entry,), raw_bytes=files.raw_bytes,
             stored_bytes=files.stored_bytes, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             writer=f"tiered {_version()}")
-        self.tier.commit(job.step, manifest.to_json())
-        log.info("tiered: step %d committed: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s [%s]",
-                 job.step, format_size(job.handle.raw_bytes), format_size(files.stored_bytes),
-                 100 * manifest.saved_fraction, 1e3 * job.handle.stall_s, time.perf_counter() - job.started,
-                 files.index.io)
+        job.tier.commit(job.step, manifest.to_json())
+        log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
+                 "[%s]", job.step, "" if job.tier is self.tier else f" on tier {job.tier.name!r}",
+                 format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
+                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.index.io)
         return manifest
 
     def _write_rank(self, job: _Job) -> "RankFiles":
         job.go.wait()
         data_name = data_file_name(self.rank)
-        writer = self.tier.open_data_writer(job.step, data_name, device=job.device_io)
+        writer = job.tier.open_data_writer(job.step, data_name, device=job.device_io)
         chunks: dict[int, list[ChunkRecord]] = {p.index: [] for p in job.plan.all}
         order: list[int] = []
         end = 0
@@ -611,7 +673,7 @@ class Engine:
                           for i in ordered))
         raw_index = index.to_json()
         index_name = index_file_name(self.rank)
-        self.tier.write_file(job.step, index_name, raw_index)
+        job.tier.write_file(job.step, index_name, raw_index)
         return RankFiles(entry=RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name,
                                          data_bytes),
                          index=index, raw_bytes=job.handle.raw_bytes,

@@ -35,6 +35,8 @@ class BackgroundSaveError(TieredError):
     """A save failed after `save()` returned; raised by the next `save()` or `wait()`."""
 
     def __init__(self, step: int, cause: BaseException):
-        super().__init__(f"background work of save(step={step}) failed: {cause!r}")
+        # Our own errors are written to be read; anything else keeps its type name.
+        why = str(cause) if isinstance(cause, TieredError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"background work of save(step={step}) failed: {why}")
         self.step = step
         self.__cause__ = cause

@@ -1,0 +1,147 @@
+"""Resource faults on real directories and a real (small) filesystem: permission denied, disk
+full. The save fails with a clear error (or, with ``on_fast_tier_error: next_tier``, goes to
+the next tier), the process goes on, nothing committed is lost, and the next save works once
+the fault is gone. A tier that refuses a migration keeps the step on the faster tier; the
+migrator retries it until it succeeds.
+
+Permission bits do not bind root: as root, the permission scenarios run in a process without
+CAP_DAC_OVERRIDE (setpriv). The disk-full scenarios mount a 24 MiB tmpfs (root only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiered
+
+HERE = Path(__file__).parent
+
+
+def run_worker(mode: str, root: Path) -> dict:
+    cmd = [sys.executable, str(HERE / "fault_worker.py"), mode, str(root)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("as root, permission faults need setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "log": r.stderr}
+
+
+def test_permission_denied_fails_the_save_clearly_and_the_next_save_works(tmp_path):
+    out = run_worker("fail", tmp_path)
+    nvme = tmp_path / "nvme"
+    assert "error_2" in out and "Permission denied" in out["error_2"] and str(nvme) in out["error_2"], out
+    assert out["training_goes_on"] == 8.0 and out["handle_3"] == "local"
+    # The shared tier refused the migration of step 4: reported, naming the cause, then retried.
+    assert "migration failed" in out["migration_error"] and "Permission denied" in out["migration_error"], out
+    assert out["local"] == [1, 3, 4] and out["shared"] == [1, 3, 4], out  # step 2 never became visible
+    assert all(out["restored"].values()), out
+    assert "retried in" in out["log"], out["log"]
+
+
+def test_a_fast_tier_that_refuses_the_save_falls_back_to_the_next_when_configured(tmp_path):
+    out = run_worker("next_tier", tmp_path)
+    assert "error_2" not in out and out["tier_2"] == "shared", out
+    assert "cannot take step 2" in out["log"] and "Permission denied" in out["log"], out["log"]
+    assert out["handle_3"] == "local" and "takes saves again (from step 3)" in out["log"], out["log"]
+    assert out["local"] == [1, 3, 4] and out["shared"] == [1, 2, 3, 4], out
+    assert all(out["restored"].values()), out
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 24 MiB filesystem (tmpfs): writes past it fail with ENOSPC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def state(step: int, mib: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(mib * 1024 * 256, generator=g), "step": step}  # incompressible with codec none
+
+
+def config(small_fs: Path, tmp_path: Path, mode: str) -> dict:
+    return {"chunk_size": "1MiB", "migration": "external", "on_fast_tier_error": mode,
+            "budgets": {"host_buffer": "8MiB", "gpu_buffer": "8MiB", "pack_buffer": "4MiB"}, "tiers": [
+                {"name": "local", "kind": "local", "path": str(small_fs / "nvme"), "codec": "none"},
+                {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared"), "codec": "none"}]}
+
+
+def test_disk_full_fails_that_save_and_the_next_one_works(small_fs, tmp_path):
+    with tiered.Engine.from_config(config(small_fs, tmp_path, "fail")) as engine:
+        engine.save(1, state(1, 4)).wait()
+        with pytest.raises(tiered.BackgroundSaveError, match=r"save\(step=2\) failed: .*rank_00000.data: write .* No space left on device"):
+            engine.save(2, state(2, 32)).wait()  # 32 MiB onto a 24 MiB filesystem
+        assert engine.steps() == [1]
+        assert not (small_fs / "nvme" / "step_000000000002").exists()  # its partial files were removed
+        engine.save(3, state(3, 4)).wait()
+        assert engine.steps() == [1, 3]
+        for s in (1, 3):
+            assert torch.equal(engine.load(s)["w"], state(s, 4)["w"])
+
+
+def test_disk_full_sends_the_save_to_the_next_tier_when_configured(small_fs, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="tiered")
+    with tiered.Engine.from_config(config(small_fs, tmp_path, "next_tier")) as engine:
+        assert engine.save(1, state(1, 4)).tier == "local"
+        big = engine.save(2, state(2, 32))
+        big.wait()
+        assert big.tier == "shared" and engine.steps("shared") == [2] and engine.steps("local") == [1]
+        assert "free, and the step may need up to" in caplog.text, caplog.text
+        assert torch.equal(engine.load(2)["w"], state(2, 32)["w"])
+        assert engine.save(3, state(3, 4)).tier == "local"
+        engine.wait()
+        assert engine.steps() == [1, 2, 3]
+
+
+def test_a_fast_tier_gone_sends_gpu_and_cpu_saves_to_the_next_tier(tmp_path, device, caplog):
+    """The fast tier's directory is replaced by a file (a mount gone wrong: no step directory can
+    be made, whoever runs it). With next_tier, GPU tensors go to the shared tier through host
+    memory in zstd; when the directory is back, saves return to it."""
+    caplog.set_level(logging.INFO, logger="tiered")
+    nvme = tmp_path / "nvme"
+    cfg = {"chunk_size": "256KiB", "migration": "external", "on_fast_tier_error": "next_tier", "tiers": [
+        {"name": "local", "kind": "local", "path": str(nvme), "codec": "ans" if device == "cuda" else "zstd"},
+        {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared")}]}
+
+    def st(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(1 << 20, generator=g).to(device), "n": torch.arange(10), "step": step}
+
+    with tiered.Engine.from_config(cfg) as engine:
+        assert engine.save(1, st(1)).tier == "local"
+        engine.wait()
+        nvme.rename(tmp_path / "nvme.away")
+        nvme.write_bytes(b"not a directory")
+        h = engine.save(2, st(2))
+        h.wait()
+        assert h.tier == "shared" and engine.steps("shared") == [2]
+        _, index = engine.read_index(2, tier="shared")
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
+        got = engine.load(2)
+        assert torch.equal(got["w"].cpu(), st(2)["w"].cpu()) and got["w"].device.type == device
+        nvme.unlink()
+        (tmp_path / "nvme.away").rename(nvme)
+        assert engine.save(3, st(3)).tier == "local"
+        engine.wait()
+        assert engine.steps("local") == [1, 3] and engine.steps() == [1, 2, 3]
+    assert "cannot take step 2" in caplog.text and "takes saves again (from step 3)" in caplog.text, caplog.text
