@@ -73,5 +73,7 @@ def s3_bucket(s3_server):
     import boto3
 
     name = "t" + secrets.token_hex(8)
-    boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1").create_bucket(Bucket=name)
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
+                          aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key)
+    client.create_bucket(Bucket=name)
     return name

@@ -140,7 +140,8 @@ def test_damage_on_s3_is_detected_reported_and_restored_around(tmp_path, s3_serv
     assert torch.equal(out["model"]["w"], state()["model"]["w"]) and torch.equal(out["model"]["b"], state()["model"]["b"])
     assert "'s3'" in caplog.text or "s3://" in caplog.text, caplog.text
 
-    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1")
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
+                      aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key)
     key = f"run/{STEP_DIR}/{name}"
     index = s3.get_object(Bucket=s3_bucket, Key=f"run/{STEP_DIR}/rank_00000.index.json")["Body"].read()
     raw = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()

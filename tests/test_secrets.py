@@ -51,7 +51,8 @@ def test_credentials_never_reach_logs_files_or_errors(tmp_path, s3_server, s3_bu
 
     import boto3
 
-    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1")
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
+                          aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key)
     stored = [client.get_object(Bucket=s3_bucket, Key=o["Key"])["Body"].read()
               for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
     stored += [p.read_bytes() for p in all_files(tmp_path / "nvme")]

@@ -578,7 +578,7 @@ class BackgroundMigrator:
                     delay = retry_delay(n)
                     self._retry_at[step] = time.monotonic() + delay
                 log.error("tiered: migration of step %d failed (attempt %d; it stays on the faster tiers, "
-                          "retried in %.0f s): %s", step, n, delay, exc)
+                          "retried in %g s): %s", step, n, delay, exc)
                 self._fail(exc)
                 continue
             with self._lock:
