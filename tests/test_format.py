@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tiered
-from tiered.format import Manifest, RankIndex
+from tiered.format import MANIFEST_VERSION, Manifest, RankIndex, seal_manifest
 from tiered.errors import FormatError
 
 
@@ -29,8 +30,28 @@ def test_index_and_manifest_round_trip(saved):
     _, index, manifest = saved
     idx = _index(index)
     assert json.loads(idx.to_json()) == index
-    m = Manifest.from_json(json.dumps(manifest).encode(), "m")
+    m = Manifest.from_json(seal_manifest(manifest), "m")
     assert json.loads(m.to_json()) == manifest
+
+
+def test_every_flipped_bit_of_a_manifest_is_caught(saved):
+    d, _, manifest = saved
+    raw = (d / "MANIFEST.json").read_bytes()
+    assert Manifest.from_json(raw, "m").step == 1 and json.loads(raw)["version"] == MANIFEST_VERSION
+    for pos in range(len(raw)):
+        for bit in range(8):
+            bad = bytearray(raw)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(FormatError):
+                Manifest.from_json(bytes(bad), f"flip {pos}.{bit}")
+
+
+def test_version_1_manifests_without_a_checksum_are_still_read(saved):
+    _, _, manifest = saved
+    old = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
+    assert Manifest.from_json(json.dumps({**old, "version": 1}).encode(), "v1").step == 1
+    with pytest.raises(FormatError, match="does not match its own checksum"):
+        Manifest.from_json(json.dumps(old).encode(), "v2 without its checksum")
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -77,7 +98,7 @@ def test_hostile_manifest_is_rejected(saved, mutate, message):
     _, _, manifest = saved
     mutate(manifest)
     with pytest.raises(FormatError, match=message):
-        Manifest.from_json(json.dumps(manifest).encode(), "m")
+        Manifest.from_json(seal_manifest(manifest), "m")
 
 
 def test_deeply_nested_json_is_a_format_error():
@@ -94,7 +115,7 @@ def test_skeleton_numpy_scalars_must_be_plain(saved, tmp_path, tier_config):
     from tiered.checksum import wsum64
 
     manifest["ranks"][0].update(index_bytes=len(raw), index_checksum=f"{wsum64(raw):016x}")
-    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+    (d / "MANIFEST.json").write_bytes(seal_manifest(manifest))
     with tiered.Engine.from_config(tier_config()) as engine:
         with pytest.raises(FormatError, match="not plain data"):
             engine.load(1)
@@ -103,7 +124,7 @@ def test_skeleton_numpy_scalars_must_be_plain(saved, tmp_path, tier_config):
 def test_engine_refuses_traversal_in_manifest(saved, tmp_path, tier_config):
     d, _, manifest = saved
     manifest["ranks"][0]["index_file"] = "../../../../etc/passwd"
-    (d / "MANIFEST.json").write_text(json.dumps(manifest))
+    (d / "MANIFEST.json").write_bytes(seal_manifest(manifest))
     with tiered.Engine.from_config(tier_config()) as engine:
         with pytest.raises(FormatError, match="not a plain file name"):
             engine.restore({"w": torch.zeros(300_000), "b": torch.zeros(3)})
@@ -115,7 +136,11 @@ json_values = st.recursive(
     max_leaves=20)
 
 
-@settings(max_examples=300, deadline=None)
+FUZZ = int(os.environ.get("TIERED_FUZZ_EXAMPLES", "300"))
+"""Examples per fuzz test: TIERED_FUZZ_EXAMPLES=20000 is the soak run."""
+
+
+@settings(max_examples=FUZZ, deadline=None)
 @given(doc=json_values)
 def test_parsers_fail_only_with_format_error(doc):
     raw = json.dumps(doc).encode()
@@ -126,7 +151,7 @@ def test_parsers_fail_only_with_format_error(doc):
             pass
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=max(1, FUZZ * 2 // 3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_real_index_fails_only_with_format_error(saved, data):
     _, index, _ = saved

@@ -23,6 +23,10 @@ from tiered.errors import CorruptionError, FormatError
 from tiered.units import round_up
 
 FORMAT_VERSION = 1
+MANIFEST_VERSION = 2
+"""Manifests since version 2 end with their own checksum (`manifest_checksum`); version 1
+manifests, which lack it, are still read."""
+_MANIFEST_TRAILER = re.compile(rb',\n "manifest_checksum": "([0-9a-f]{16})"\n}\n?\Z')
 ALIGNMENT = 4096
 MANIFEST_NAME = "MANIFEST.json"
 MAX_INDEX_BYTES = 1 << 30
@@ -237,7 +241,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         doc = {
-            "format": "tiered-manifest", "version": self.version, "step": self.step, "created": self.created,
+            "format": "tiered-manifest", "version": MANIFEST_VERSION, "step": self.step, "created": self.created,
             "writer": self.writer, "world_size": self.world_size, "raw_bytes": self.raw_bytes,
             "stored_bytes": self.stored_bytes,
             "ranks": [{"rank": r.rank, "index_file": r.index_file, "index_bytes": r.index_bytes,
@@ -246,11 +250,16 @@ class Manifest:
         }
         if self.dcp is not None:
             doc["dcp"] = {"file": self.dcp.name, "bytes": self.dcp.size, "checksum": f"{self.dcp.checksum:016x}"}
-        return json.dumps(doc, indent=1, allow_nan=False).encode()
+        return seal_manifest(doc)
 
     @classmethod
     def from_json(cls, raw: bytes, source: str) -> "Manifest":
-        doc = _load_json(raw, source, "tiered-manifest")
+        doc = _load_json(raw, source, "tiered-manifest", (1, MANIFEST_VERSION))
+        if doc["version"] >= 2:
+            end = _MANIFEST_TRAILER.search(raw)
+            if end is None or "manifest_checksum" not in doc \
+                    or checksum.wsum64(raw[:end.start()]) != int(end.group(1), 16):
+                raise FormatError(f"{source}: manifest does not match its own checksum (corrupted)")
         v = _Validator(source)
         world = v.int(doc, "world_size", 1, 1 << 24)
         ranks = []
@@ -283,6 +292,15 @@ class Manifest:
         return next((r for r in self.ranks if r.rank == rank), None)
 
 
+def seal_manifest(doc: Mapping[str, Any]) -> bytes:
+    """A manifest document as written, ending with `manifest_checksum`,
+    the wsum64 of every byte before it, so that any flipped bit is caught, even one that leaves
+    valid JSON with another value (a size, a date)."""
+    body = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+    head = json.dumps(body, indent=1, allow_nan=False).encode()[:-2]
+    return head + b',\n "manifest_checksum": "%016x"\n}' % checksum.wsum64(head)
+
+
 def chunk_corruption(path: str, rec: TensorRecord, j: int, what: str) -> CorruptionError:
     """The error for a damaged chunk: names the file, the tensor and the chunk."""
     c = rec.chunks[j]
@@ -290,16 +308,18 @@ def chunk_corruption(path: str, rec: TensorRecord, j: int, what: str) -> Corrupt
                            f"{c.offset}..{c.offset + c.size}): corrupted: {what}")
 
 
-def _load_json(raw: bytes, source: str, kind: str) -> dict[str, Any]:
+def _load_json(raw: bytes, source: str, kind: str, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FormatError(f"{source}: not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != kind:
         raise FormatError(f"{source}: not a {kind} document")
-    if doc.get("version") != FORMAT_VERSION:
-        raise FormatError(f"{source}: format version {doc.get('version')!r} is not supported "
-                          f"(this tiered reads version {FORMAT_VERSION}); upgrade tiered to read it")
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in versions:
+        raise FormatError(f"{source}: format version {version!r} is not supported "
+                          f"(this tiered reads {kind} version {' and '.join(map(str, versions))}); "
+                          "upgrade tiered to read it")
     return doc
 
 
