@@ -139,6 +139,13 @@ def test_a_fast_tier_gone_sends_gpu_and_cpu_saves_to_the_next_tier(tmp_path, dev
         assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
         got = engine.load(2)
         assert torch.equal(got["w"].cpu(), st(2)["w"].cpu()) and got["w"].device.type == device
+        (tmp_path / "shared").rename(tmp_path / "shared.away")
+        (tmp_path / "shared").write_bytes(b"not a directory either")
+        with pytest.raises(tiered.TieredError, match=r"step 9: the fast tier 'local' cannot take it \(.*\), and "
+                                                     r"neither can tier 'shared' \("):
+            engine.save(9, st(9))
+        (tmp_path / "shared").unlink()
+        (tmp_path / "shared.away").rename(tmp_path / "shared")
         nvme.unlink()
         (tmp_path / "nvme.away").rename(nvme)
         assert engine.save(3, st(3)).tier == "local"

@@ -287,7 +287,11 @@ class Engine:
                                   f"{format_size(need)}")
         except (TieredError, OSError) as exc:
             other = self.get_tier(self.config.tiers[1].name)
-            other.begin_step(step)
+            try:
+                other.begin_step(step)
+            except (TieredError, OSError) as exc2:
+                raise TieredError(f"step {step}: the fast tier {fast.name!r} cannot take it ({exc}), and neither can "
+                                  f"tier {other.name!r} ({exc2})") from None
             if not self._falling_back:
                 log.warning("tiered: the fast tier %r cannot take step %d (%s): on_fast_tier_error is next_tier, so "
                             "it and the next saves go to tier %r, through host memory, until the fast tier takes "
