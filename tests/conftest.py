@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from helpers import running_s3
 from tiered.engine import gpu_stack_available
 
 
@@ -49,20 +50,9 @@ def _bandwidth_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """A real SeaweedFS S3 server on loopback for the whole run; its keys are in the environment
-    (the standard AWS chain), as a user's would be."""
-    if os.environ.get("TIERED_SKIP_S3") == "1":
-        # Explicit opt-out for machines without the S3 test server (the lent GPU machines);
-        # CI never sets it, so a missing server fails there instead of skipping.
-        pytest.skip("TIERED_SKIP_S3=1: S3 tests skipped on this machine")
-    from tiered.testing import start_s3
-
-    server = start_s3(tmp_path_factory.mktemp("seaweedfs"))
-    try:
-        with server.environment():
-            yield server
-    finally:
-        server.stop()
+    """A real SeaweedFS S3 server on loopback for the whole run (tests.helpers.running_s3)."""
+    with running_s3(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -122,3 +126,23 @@ def fixture_state() -> dict:
                   "step": torch.tensor(1234, dtype=torch.int64)},
         "meta": {"epoch": 3, "name": "fixture"},
     }
+
+
+@contextlib.contextmanager
+def running_s3(data_dir: Path) -> Iterator[Any]:
+    """A real SeaweedFS S3 server on loopback, its keys in the environment (the standard AWS
+    chain) as a user's would be, stopped after."""
+    import pytest
+
+    if os.environ.get("TIERED_SKIP_S3") == "1":
+        # Explicit opt-out for machines without the S3 test server (the lent GPU machines);
+        # CI never sets it, so a missing server fails there instead of skipping.
+        pytest.skip("TIERED_SKIP_S3=1: S3 tests skipped on this machine")
+    from tiered.testing import start_s3
+
+    server = start_s3(data_dir)
+    try:
+        with server.environment():
+            yield server
+    finally:
+        server.stop()
