@@ -7,6 +7,7 @@ fault is scheduled for it:
     proxy.fail("UploadPart", times=3, status=500, code="InternalError")  # S3 error answers
     proxy.stall()    # hold every request without an answer (a hung server) ... proxy.release()
     proxy.drop("PutObject", times=1)  # close the connection without an answer
+    proxy.lose_answer("CreateMultipartUpload", times=1)  # the server acts, the client never hears
     proxy.before("UploadPart", 2, fn)  # call fn() as the 2nd UploadPart arrives, then go on
 
 ``proxy.log`` records each request as (operation, what the proxy did). Operations are named as
@@ -53,7 +54,7 @@ def operation(method: str, target: str) -> str:
 class _Fault:
     op: str
     times: int
-    kind: str  # "error" | "drop"
+    kind: str  # "error" | "drop" | "lose"
     status: int = 0
     code: str = ""
 
@@ -88,6 +89,12 @@ class FaultProxy:
         """Close the connection of the next `times` requests of `op` without an answer."""
         with self._lock:
             self._faults.append(_Fault(op, times, "drop"))
+
+    def lose_answer(self, op: str, *, times: int) -> None:
+        """Forward the next `times` requests of `op`, then close the connection instead of passing
+        the answer on: the server has acted, and the client does not know it."""
+        with self._lock:
+            self._faults.append(_Fault(op, times, "lose"))
 
     def before(self, op: str, nth: int, fn) -> None:
         """Call `fn()` when the `nth` request of `op` (counted from now) arrives, before it is
@@ -182,7 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
             proxy._record(op, "dropped")
             self._hang_up()
             return
-        if fault is not None:
+        if fault is not None and fault.kind == "error":
             proxy._record(op, f"error {fault.status} {fault.code}")
             xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{fault.code}</Code>'
                    f'<Message>injected by the test proxy</Message><RequestId>fault</RequestId></Error>').encode()
@@ -197,6 +204,10 @@ class _Handler(BaseHTTPRequestHandler):
             status, reason, headers, payload = self._forward(body)
         except OSError:  # the server is gone (killed): so is the client's connection
             proxy._record(op, "upstream down")
+            self._hang_up()
+            return
+        if fault is not None and fault.kind == "lose":
+            proxy._record(op, f"answer {status} lost")
             self._hang_up()
             return
         proxy._record(op, "forwarded")

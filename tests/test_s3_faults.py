@@ -26,6 +26,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import running_s3
 from s3proxy import FaultProxy
 from tiered import Engine, migrator
 from tiered.cli import main as cli
@@ -37,16 +38,9 @@ STEP_FILES = {"MANIFEST.json", "rank_00000.index.json", "rank_00000.data"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if os.environ.get("TIERED_SKIP_S3") == "1":
-        pytest.skip("TIERED_SKIP_S3=1: S3 tests skipped on this machine")
-    from tiered.testing import start_s3
-
-    s = start_s3(tmp_path_factory.mktemp("seaweedfs-faults"))
-    try:
-        with s.environment():
-            yield s
-    finally:
-        s.stop()
+    """A server of this module's own: it is killed and restarted."""
+    with running_s3(tmp_path_factory.mktemp("seaweedfs-faults")) as s:
+        yield s
 
 
 @pytest.fixture
@@ -223,6 +217,24 @@ def test_throttling_5xx_and_dropped_connections_are_retried_with_backoff(tmp_pat
         assert len(injected) == sum(f[1] for f in FAULTS) + 2, injected  # every scheduled fault was met
         delays = [float(d) for d in re.findall(r"retrying request after delay of: ([0-9.e-]+)", caplog.text)]
         assert len(delays) >= len(injected) and all(d > 0 for d in delays), delays
+    finally:
+        proxy.close()
+
+
+def test_answers_lost_after_the_server_acted_leave_nothing_behind(tmp_path, server, bucket):
+    """The server starts a multipart upload (or stores a part, or an object), but its answer is
+    lost: the client retries and makes another. The step commits with exactly its objects, and
+    the upload the client never heard of is aborted at the commit."""
+    proxy = FaultProxy(server.endpoint_url)
+    try:
+        with Engine.from_config(config(tmp_path, bucket, proxy.endpoint_url)) as engine:
+            engine.wait_migrated(timeout=60)
+            for op in ("CreateMultipartUpload", "UploadPart", "PutObject", "CompleteMultipartUpload"):
+                proxy.lose_answer(op, times=1)
+            engine.save(1, state(1)).wait()
+            engine.wait_migrated(timeout=180)
+            assert len(proxy.injected("answer")) == 4, proxy.injected()
+            check_on_s3(engine, server, bucket, 1)
     finally:
         proxy.close()
 

@@ -254,13 +254,22 @@ class S3Tier:
             for i in range(0, len(keys), 1000):
                 self.client.delete_objects(Bucket=self.bucket, Delete={
                     "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
-                for up in page.get("Uploads", ()):
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+            self._abort_uploads(prefix)
         except Exception as exc:  # noqa: BLE001
             raise _client_error(exc, f"{self.describe(step, '')}: cannot clear uncommitted objects") from None
         if keys:
             log.info("tiered: removed %d uncommitted objects of step %d in %s", len(keys), step, self.root)
+
+    def _abort_uploads(self, prefix: str, only_key: str | None = None) -> int:
+        """Abort the unfinished multipart uploads under `prefix` (of `only_key` alone, if given);
+        returns how many."""
+        n = 0
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
+            for up in page.get("Uploads", ()):
+                if only_key is None or up["Key"] == only_key:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    n += 1
+        return n
 
     def discard(self, step: int) -> None:
         if not self.has_step(step):
@@ -282,10 +291,7 @@ class S3Tier:
         try:
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
             for key in keys:
-                for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=key):
-                    for up in page.get("Uploads", ()):
-                        if up["Key"] == key:
-                            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up["UploadId"])
+                self._abort_uploads(key, only_key=key)
         except Exception as exc:  # noqa: BLE001
             raise _client_error(exc, f"{self.describe(step, '')}: cannot clear rank {rank}'s uncommitted objects") from None
 
@@ -341,8 +347,19 @@ class S3Tier:
             raise _client_error(exc, f"{self.url(key)}: upload failed") from None
 
     def commit(self, step: int, manifest: bytes) -> None:
-        """The manifest is the last object of a step: its presence is the commit."""
+        """The manifest is the last object of a step: its presence is the commit. Then any
+        multipart upload still open under the step is abandoned (every file of the step is
+        complete): one whose creation the server carried out but whose answer was lost, so that
+        the client retried with a new one. It is aborted, so that it costs no storage."""
         self.write_file(step, MANIFEST_NAME, manifest)
+        try:
+            n = self._abort_uploads(self._key(step))
+        except Exception as exc:  # noqa: BLE001 - the step is committed; deleting it aborts them too
+            log.warning("tiered: %s: cannot abort abandoned multipart uploads: %s", self.describe(step, ""),
+                        _client_error(exc, "list or abort"))
+            return
+        if n:
+            log.info("tiered: aborted %d abandoned multipart upload(s) of step %d in %s", n, step, self.root)
 
     def _get(self, key: str, max_bytes: int) -> bytes:
         try:
