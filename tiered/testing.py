@@ -35,6 +35,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _ExitedAtOnce(RuntimeError):
+    """The server process ended while starting (another process holds one of its ports, say)."""
+
+
 @dataclass
 class S3Server:
     endpoint_url: str
@@ -99,8 +103,8 @@ class S3Server:
             try:
                 self.wait_ready(timeout)
                 return
-            except RuntimeError:
-                if self.process.poll() is None or attempt == attempts - 1:
+            except _ExitedAtOnce:
+                if attempt == attempts - 1:
                     raise
                 time.sleep(1.0)
 
@@ -114,8 +118,8 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"SeaweedFS exited with {self.process.returncode}; "
-                                   f"log: {self.log.read_text()[-2000:]}")
+                raise _ExitedAtOnce(f"SeaweedFS exited with {self.process.returncode}; "
+                                    f"log: {self.log.read_text()[-2000:]}")
             try:
                 client.list_buckets()
                 return
@@ -148,8 +152,8 @@ def start_s3(data_dir: Path, timeout: float = 60.0, attempts: int = 3) -> S3Serv
         try:
             server.wait_ready(timeout)
             return server
-        except RuntimeError:
-            if proc.poll() is None or attempt == attempts - 1:
+        except _ExitedAtOnce:
+            if attempt == attempts - 1:
                 raise
             time.sleep(0.5)
-    raise AssertionError("unreachable")
+    raise ValueError(f"attempts must be at least 1, got {attempts}")
