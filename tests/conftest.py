@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from helpers import running_s3
+from helpers import new_bucket, running_s3
 from tiered.engine import gpu_stack_available
 
 
@@ -58,12 +58,4 @@ def s3_server(tmp_path_factory):
 @pytest.fixture
 def s3_bucket(s3_server):
     """A fresh bucket on the test server."""
-    import secrets
-
-    import boto3
-
-    name = "t" + secrets.token_hex(8)
-    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
-                          aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key)
-    client.create_bucket(Bucket=name)
-    return name
+    return new_bucket(s3_server)

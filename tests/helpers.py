@@ -146,3 +146,23 @@ def running_s3(data_dir: Path) -> Iterator[Any]:
             yield server
     finally:
         server.stop()
+
+
+def s3_client(server: Any) -> Any:
+    """A boto3 client for a test server, with its keys given explicitly: boto3.client()'s shared
+    default session keeps the first keys it read, which would be another server's."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1",
+                        aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
+                        config=Config(retries={"max_attempts": 10, "mode": "standard"}))
+
+
+def new_bucket(server: Any) -> str:
+    """A fresh bucket on a test server."""
+    import secrets
+
+    name = "t" + secrets.token_hex(8)
+    s3_client(server).create_bucket(Bucket=name)
+    return name

@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import s3_client
 from tiered import Engine
 from tiered.cli import main as cli
 from tiered.errors import TieredError
@@ -169,8 +170,6 @@ def test_damage_on_s3_is_detected_reported_and_restored_around(tmp_path, s3_serv
                                                                capsys):
     """Objects damaged in place on S3. With the local copy damaged the same way, the restore
     reads the S3 copy; with both damaged, verify names the S3 object and the error names it too."""
-    import boto3
-
     cfg = {"version": 1, "chunk_size": "64KiB", "migration": "external", "tiers": [
         {"name": "local", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "zstd"},
         {"name": "s3", "kind": "s3", "bucket": s3_bucket, "prefix": "run", "endpoint_url": s3_server.endpoint_url,
@@ -189,8 +188,7 @@ def test_damage_on_s3_is_detected_reported_and_restored_around(tmp_path, s3_serv
     assert torch.equal(out["model"]["w"], state()["model"]["w"]) and torch.equal(out["model"]["b"], state()["model"]["b"])
     assert "'s3'" in caplog.text or "s3://" in caplog.text, caplog.text
 
-    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
-                      aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key)
+    s3 = s3_client(s3_server)
     key = f"run/{STEP_DIR}/{name}"
     index = s3.get_object(Bucket=s3_bucket, Key=f"run/{STEP_DIR}/rank_00000.index.json")["Body"].read()
     raw = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()

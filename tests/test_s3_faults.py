@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import running_s3
+from helpers import new_bucket, running_s3, s3_client
 from s3proxy import FaultProxy
 from tiered import Engine, migrator
 from tiered.cli import main as cli
@@ -45,25 +45,13 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def bucket(server):
-    name = f"f{random.getrandbits(64):016x}"
-    admin(server).create_bucket(Bucket=name)
-    return name
+    return new_bucket(server)
 
 
 @pytest.fixture
 def fast_retries(monkeypatch):
     """The migrator's own retries start after 0.5 s instead of 5 s (the request retries are botocore's)."""
     monkeypatch.setattr(migrator, "RETRY_FIRST_S", 0.5)
-
-
-def admin(server):
-    import boto3  # here: machines that opt out of S3 (TIERED_SKIP_S3=1) may lack it
-    from botocore.config import Config
-
-    # Keys given here: boto3.client() shares one default session, which keeps the first keys it read.
-    return boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1",
-                        aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
-                        config=Config(retries={"max_attempts": 10, "mode": "standard"}))
 
 
 def config(tmp_path, bucket, endpoint, **s3) -> dict:
@@ -80,12 +68,12 @@ def state(step: int, mib: int = 12) -> dict:
 
 def objects(server, bucket: str, step: int) -> set[str]:
     prefix = f"run/step_{step:012d}/"
-    page = admin(server).list_objects_v2(Bucket=bucket, Prefix=prefix)
+    page = s3_client(server).list_objects_v2(Bucket=bucket, Prefix=prefix)
     return {o["Key"][len(prefix):] for o in page.get("Contents", ())}
 
 
 def uploads(server, bucket: str) -> list[str]:
-    return [u["Key"] for u in admin(server).list_multipart_uploads(Bucket=bucket).get("Uploads", ())]
+    return [u["Key"] for u in s3_client(server).list_multipart_uploads(Bucket=bucket).get("Uploads", ())]
 
 
 def check_on_s3(engine, server, bucket, step: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import s3_client
 from tiered import Engine
 from tiered.errors import TieredError
 
@@ -49,10 +50,7 @@ def test_credentials_never_reach_logs_files_or_errors(tmp_path, s3_server, s3_bu
         engine.get_tier("s3").steps()
     errors.append(str(info.value))
 
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
-                          aws_access_key_id=s3_server.access_key, aws_secret_access_key=s3_server.secret_key)
+    client = s3_client(s3_server)
     stored = [client.get_object(Bucket=s3_bucket, Key=o["Key"])["Body"].read()
               for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
     stored += [p.read_bytes() for p in all_files(tmp_path / "nvme")]
