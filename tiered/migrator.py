@@ -488,9 +488,9 @@ class BackgroundMigrator:
         self._queue: "queue.Queue[int | None]" = queue.Queue()
         self._pending: set[int] = set()
         self._failures: dict[int, int] = {}
-        """Failed attempts per step still to be migrated."""
+        """Failed attempts per step still to be migrated (the migrator thread's own)."""
         self._retry_at: dict[int, float] = {}
-        """Steps waiting for a retry, with the monotonic time it is due."""
+        """Steps waiting for a retry, with the monotonic time it is due (the migrator thread's own)."""
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._scanned = threading.Event()
@@ -536,17 +536,12 @@ class BackgroundMigrator:
 
     def _next(self) -> "int | None":
         """The next step to migrate: a queued one, else the first retry that falls due; None to stop."""
-        while True:
-            with self._lock:
-                due = min(self._retry_at.items(), key=lambda kv: kv[1], default=None)
-            wait = None if due is None else max(0.0, due[1] - time.monotonic())
-            try:
-                return self._queue.get(timeout=wait)
-            except queue.Empty:
-                with self._lock:
-                    if self._retry_at.get(due[0]) == due[1]:
-                        del self._retry_at[due[0]]
-                        return due[0]
+        due = min(self._retry_at, key=self._retry_at.__getitem__, default=None)
+        try:
+            return self._queue.get(timeout=None if due is None else max(0.0, self._retry_at[due] - time.monotonic()))
+        except queue.Empty:
+            del self._retry_at[due]
+            return due
 
     def _run(self) -> None:
         lower_priority()
@@ -573,25 +568,23 @@ class BackgroundMigrator:
                     gpu = self._make_gpu()
                 migrate_down(step, self._config, self._get_tier, pool=self._pool, gpu=gpu)
             except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
-                with self._lock:
-                    n = self._failures[step] = self._failures.get(step, 0) + 1
-                    delay = retry_delay(n)
-                    self._retry_at[step] = time.monotonic() + delay
+                n = self._failures[step] = self._failures.get(step, 0) + 1
+                delay = retry_delay(n)
+                self._retry_at[step] = time.monotonic() + delay
                 log.error("tiered: migration of step %d failed (attempt %d; it stays on the faster tiers, "
                           "retried in %g s): %s", step, n, delay, exc)
                 self._fail(exc)
                 continue
             with self._lock:
                 self._pending.discard(step)
-                if self._failures.pop(step, 0):
-                    log.info("tiered: step %d migrated after earlier failures", step)
+            if self._failures.pop(step, 0):
+                log.info("tiered: step %d migrated after earlier failures", step)
             try:
                 apply_retention(self._config, self._get_tier)
             except BaseException as exc:  # noqa: BLE001 - nothing is deleted that a slower tier lacks
                 log.error("tiered: retention failed (retried after the next migration): %s", exc)
                 self._fail(exc)
-        with self._lock:
-            left = sorted(self._retry_at)
+        left = sorted(self._retry_at)
         if left:
             log.warning("tiered: steps %s are not migrated yet (their retries were not due): the next run, or "
                         "`tiered migrate`, resumes them", left)
