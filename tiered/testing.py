@@ -22,8 +22,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
+T = TypeVar("T")
 _PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "webdav.port", "admin.port",
                "admin.port.grpc")
@@ -96,17 +97,12 @@ class S3Server:
         that exits at once (a port not yet released by the killed server) is tried again."""
         if self.process.poll() is None:
             raise RuntimeError("the S3 server is already running")
-        for attempt in range(attempts):
-            with open(self.log, "a") as out:
-                self.process = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
-            try:
-                self.wait_ready(timeout)
-                return
-            except _ExitedAtOnce:
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(1.0)
+
+        def launch() -> None:
+            self.process = _spawn(self.args, self.env, self.log)
+            self.wait_ready(timeout)
+
+        _retry_early_exit(launch, attempts, pause=1.0)
 
     def wait_ready(self, timeout: float) -> None:
         import boto3
@@ -142,18 +138,33 @@ def start_s3(data_dir: Path, timeout: float = 60.0, attempts: int = 3) -> S3Serv
     (data_dir / "data").mkdir(exist_ok=True)
     log = data_dir / "weed.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": access, "AWS_SECRET_ACCESS_KEY": secret}
-    for attempt in range(attempts):
+
+    def launch() -> S3Server:
         ports = {flag: _free_port() for flag in _PORT_FLAGS}
         args = [weed, "mini", f"-dir={data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
                 "-webdav=false"] + [f"-{flag}={port}" for flag, port in ports.items()]
-        with open(log, "a") as out:
-            proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, log, args, env)
+        server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, _spawn(args, env, log), log, args, env)
+        server.wait_ready(timeout)
+        return server
+
+    return _retry_early_exit(launch, attempts, pause=0.5)
+
+
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The server process, in a session of its own (so that its children are killed with it), its
+    output appended to `log`."""
+    with open(log, "a") as out:
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _retry_early_exit(launch: Callable[[], T], attempts: int, pause: float) -> T:
+    """`launch()`, tried again (up to `attempts` times in all, `pause` s apart) while the server it
+    starts exits at once."""
+    for attempt in range(1, attempts + 1):
         try:
-            server.wait_ready(timeout)
-            return server
+            return launch()
         except _ExitedAtOnce:
-            if attempt == attempts - 1:
+            if attempt >= attempts:
                 raise
-            time.sleep(0.5)
+            time.sleep(pause)
     raise ValueError(f"attempts must be at least 1, got {attempts}")
