@@ -11,8 +11,7 @@ from tiered.config import Config, load_config
 from tiered.engine import Engine, SaveHandle
 from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, ConfigError,
                            CorruptionError, FormatError, StateDictError, TieredError)
-
-__version__ = "0.1.0"
+from tiered.version import __version__
 
 __all__ = [
     "BackgroundSaveError", "CheckpointNotFoundError", "CodecUnavailableError", "Config", "ConfigError",

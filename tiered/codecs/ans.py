@@ -30,8 +30,6 @@ class AnsCodec(Codec):
     def __init__(self, spec, settings):
         super().__init__(spec, settings)
         self.data_type = spec.params.get("data_type", "|u1")
-        if self.data_type not in ("<f4", "<f2", "|u1"):
-            raise ValueError(f"ans: unsupported data_type {self.data_type!r}")
 
     def max_stored_size(self, chunk_size: int) -> int:
         return _nvcomp.max_compressed("ANS", chunk_size, self.data_type)

@@ -29,7 +29,7 @@ import torch
 
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError
-from tiered.format import CodecSpec
+from tiered.format import CODEC_PARAMETERS, CodecSpec, check_codec_spec
 
 
 class PendingSizes(Protocol):
@@ -42,6 +42,7 @@ class Codec:
     gpu_capable: ClassVar[bool]
 
     def __init__(self, spec: CodecSpec, settings: ZstdSettings):
+        check_codec_spec(spec)  # the values the format allows (tiered.format.CODEC_PARAMETERS)
         self.spec = spec
         self.settings = settings
 
@@ -83,6 +84,8 @@ _REGISTRY: dict[str, type[Codec]] = {}
 
 
 def register(cls: type[Codec]) -> type[Codec]:
+    if cls.name not in CODEC_PARAMETERS:
+        raise TypeError(f"codec {cls.name!r} is not in tiered.format.CODEC_PARAMETERS: the format could not read it")
     _REGISTRY[cls.name] = cls
     return cls
 

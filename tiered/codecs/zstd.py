@@ -53,8 +53,6 @@ class ZstdCodec(Codec):
     def __init__(self, spec, settings):
         super().__init__(spec, settings)
         self.elem = int(spec.params.get("shuffle", 1))
-        if self.elem not in (1, 2, 4, 8, 16):
-            raise ValueError(f"zstd: unsupported shuffle element size {self.elem}")
         self._local = threading.local()
 
     @classmethod
