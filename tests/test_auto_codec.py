@@ -68,7 +68,7 @@ def test_fast_tier_codec_on_cpu_follows_the_disk(tmp_path, bandwidth, expected, 
         # Before any measurement: ans where GPU codecs exist (for GPU tensors), else zstd.
         assert engine.fast_codec == ("ans" if HAS_GPU else "zstd") and "codec: auto" in engine.describe()
         engine.save(1, state).wait()
-        engine._codec.join(60)
+        engine.saves.codec.join(60)
         assert engine.fast_codec == expected
         engine.save(2, state).wait()
         _, index = engine.read_index(2)
@@ -99,7 +99,7 @@ def test_auto_on_gpu_is_ans_locally_and_zstd_down(tmp_path):
         {"name": "shared", "kind": "posix", "path": str(tmp_path / "s"), "bandwidth": "20MB/s"}]}
     with tiered.Engine.from_config(cfg) as engine:
         engine.save(1, state).wait()
-        engine._codec.join(120)
+        engine.saves.codec.join(120)
         assert engine.fast_codec == "ans"
         engine.save(2, state).wait()
         engine.wait_migrated(timeout=300)

@@ -63,7 +63,7 @@ def test_saves_faster_than_the_disk_block_instead_of_buffering(tmp_path, monkeyp
         for s, st in zip(range(1, steps + 1), states):
             handles.append(engine.save(s, st))
             peak = max(peak, rss_bytes())
-            assert engine._host.buffer.numel() <= budget
+            assert engine.workers.host.buffer.numel() <= budget
         for h in handles:
             h.wait()
         saved = sum(v.nbytes for st in states for v in st.values() if isinstance(v, torch.Tensor))
@@ -109,7 +109,7 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
                 h.wait()
             during = proxy.log[mark:]
             assert engine.steps("local") == list(steps)
-            assert engine._host.buffer.numel() <= 4 << 20
+            assert engine.workers.host.buffer.numel() <= 4 << 20
             assert during and all(act == "stalled" for _, act in during), during  # S3 answered nothing
             proxy.release()
             deadline = time.monotonic() + 180

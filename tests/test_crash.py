@@ -68,7 +68,8 @@ class Ledger:
         self.checked = 0
 
     def check(self) -> None:
-        from tiered.cli import Cluster, _verify_steps
+        from tiered.catalog import TierCatalog
+        from tiered.cli import verify_steps
 
         with Engine.from_config({**yaml.safe_load(Path(self.cfg).read_text()), "migration": "external"}) as engine:
             committed = engine.committed()
@@ -77,7 +78,7 @@ class Ledger:
             new = [(tier, step) for tier, steps in committed.items() for step in steps
                    if (tier, step) not in self.copies]
             if new:
-                assert _verify_steps(Cluster(load_config(self.cfg)), new, quick=False, show=False) == 0
+                assert verify_steps(TierCatalog(load_config(self.cfg)), new, quick=False, show=False) == 0
             for tier, step in new:
                 assert_same(engine.load(step, tier=tier), expected_state(step), f"{tier} step {step}")
                 self.copies.add((tier, step))

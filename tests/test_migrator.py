@@ -147,7 +147,7 @@ def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     with tiered.Engine.from_config(cluster(tmp_path, "ans")) as engine:
         engine.save(1, state).wait()
-        device = engine._device(0)
+        device = engine.workers.device(0)
         assert isinstance(device, GpuDevice)
         migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd",
                      gpu=GpuRecoder(device))

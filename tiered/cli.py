@@ -1,7 +1,7 @@
 """Command line: `tiered-restore` for cold starts, `tiered ls | verify | gc | migrate | restore`.
 
 Every command reads the cluster YAML given with --config (default: the embedded configs/local.yaml)
-and works on the tiers it names; none of them needs a GPU unless a step must be recompressed from
+and works on its tiers through the same `TierCatalog` as `Engine.steps()`; none of them needs a GPU unless a step must be recompressed from
 a GPU-only codec (ans). Exit status: 0 success, 1 the work failed (nothing restorable, damage
 found, a copy failed), 2 bad usage or config.
 """
@@ -17,49 +17,16 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TextIO
 
-from tiered.config import Config, load_config
+from tiered.catalog import TierCatalog
+from tiered.config import load_config
 from tiered.errors import ConfigError, TieredError
 from tiered.format import present_ranks, read_pinned, read_step
+from tiered.restore import verify_step
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-class Cluster:
-    """The configured tiers, created on first use (S3 imports boto3 only when named)."""
-
-    def __init__(self, config: Config):
-        self.config = config
-        self._tiers: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def names(self) -> list[str]:
-        return [t.name for t in self.config.tiers]
-
-    def tier(self, name: str) -> Any:
-        from tiered.tiers import make_tier
-
-        with self._lock:
-            if name not in self._tiers:
-                cfg = next((t for t in self.config.tiers if t.name == name), None)
-                if cfg is None:
-                    raise ConfigError(f"{self.config.source}: no tier named {name!r} (tiers: {', '.join(self.names)})")
-                self._tiers[name] = make_tier(cfg)
-            return self._tiers[name]
-
-    def committed(self, names: Sequence[str] | None = None) -> dict[str, list[int] | None]:
-        """Committed steps per tier; None for a tier that cannot be listed now (logged)."""
-        out: dict[str, list[int] | None] = {}
-        for name in names or self.names:
-            try:
-                out[name] = self.tier(name).steps()
-            except (TieredError, OSError) as exc:
-                log.error("tiered: cannot list tier %r: %s", name, exc)
-                out[name] = None
-        return out
 
 
 class Progress:
@@ -109,11 +76,6 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def _tier_line(cluster: Cluster, name: str) -> str:
-    cfg = next(t for t in cluster.config.tiers if t.name == name)
-    return f"{name} ({cfg.kind}: {cluster.tier(name).root})"
-
-
 def _parse_step(text: str) -> int | None:
     if text == "latest":
         return None
@@ -127,29 +89,29 @@ def _parse_step(text: str) -> int | None:
 
 
 # --- tiered-restore ------------------------------------------------------------------------
-def cmd_restore(args: argparse.Namespace, cluster: Cluster) -> int:
+def cmd_restore(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from tiered.migrator import migrate_step
     from tiered.policy import latest_restorable
 
-    committed = cluster.committed()
+    committed = catalog.committed()
     held = {n: set(s) for n, s in committed.items() if s is not None}
     step = args.step if args.step is not None else latest_restorable(held)
-    listing = "\n".join(f"  {_tier_line(cluster, n)}: "
+    listing = "\n".join(f"  {catalog.describe(n)}: "
                         f"{'unreachable' if s is None else (', '.join(map(str, s[-8:])) or 'no steps')}"
                         for n, s in committed.items())
     if step is None:
         print(f"tiered-restore: nothing restorable: no tier holds a committed checkpoint\n{listing}", file=sys.stderr)
         return EXIT_FAILED
-    sources = [n for n in cluster.names if step in held.get(n, ())]
+    sources = [n for n in catalog.names if step in held.get(n, ())]
     if not sources:
         print(f"tiered-restore: step {step} is not committed on any tier\n{listing}", file=sys.stderr)
         return EXIT_FAILED
     if args.verify_only:
-        return _verify_steps(cluster, [(sources[0], step)], quick=False, show=not args.quiet)
-    to = args.to or cluster.names[0]
-    dst = cluster.tier(to)
+        return verify_steps(catalog, [(sources[0], step)], quick=False, show=not args.quiet)
+    to = args.to or catalog.names[0]
+    dst = catalog.get(to)
     if to in sources:
-        if _verify_steps(cluster, [(to, step)], quick=False, show=not args.quiet) == EXIT_OK:
+        if verify_steps(catalog, [(to, step)], quick=False, show=not args.quiet) == EXIT_OK:
             print(f"step {step} is already on tier {to!r} ({dst.root}), verified: nothing to copy")
             return EXIT_OK
         others = [n for n in sources if n != to]
@@ -162,14 +124,14 @@ def cmd_restore(args: argparse.Namespace, cluster: Cluster) -> int:
     for name in sources:
         if name == to:
             continue
-        src = cluster.tier(name)
+        src = catalog.get(name)
         manifest, _ = read_step(src, step)
         bar = Progress(f"step {step} {name} -> {to}", manifest.raw_bytes, enabled=not args.quiet)
         t0 = time.perf_counter()
         try:
             # Chunks keep their codec (zstd from a portable tier stays zstd: restorable with or
             # without a GPU); every chunk's checksum is verified on the way.
-            m = migrate_step(step, src, dst, codec=None, settings=cluster.config.zstd, progress=bar)
+            m = migrate_step(step, src, dst, codec=None, settings=catalog.config.zstd, progress=bar)
         except (TieredError, OSError) as exc:
             bar.finish()
             print(f"tiered-restore: copying step {step} from tier {name!r} failed: {exc}", file=sys.stderr)
@@ -186,14 +148,14 @@ def cmd_restore(args: argparse.Namespace, cluster: Cluster) -> int:
 
 
 # --- tiered ls -----------------------------------------------------------------------------
-def cmd_ls(args: argparse.Namespace, cluster: Cluster) -> int:
-    committed = cluster.committed()
+def cmd_ls(args: argparse.Namespace, catalog: TierCatalog) -> int:
+    committed = catalog.committed()
     steps = sorted(set().union(*(set(s) for s in committed.values() if s is not None)))
     cells: dict[tuple[int, str], dict[str, Any]] = {}
     for name, held in committed.items():
         for step in held or ():
             try:
-                manifest, indexes = _read_here(cluster, name, step)
+                manifest, indexes = _read_here(catalog, name, step)
             except (TieredError, OSError) as exc:
                 cells[step, name] = {"error": str(exc)}
                 continue
@@ -204,21 +166,21 @@ def cmd_ls(args: argparse.Namespace, cluster: Cluster) -> int:
                                  "ranks_here": [ix.rank for ix in indexes]}
     if args.json:
         print(json.dumps({"tiers": {n: (None if s is None else s) for n, s in committed.items()},
-                          "steps": [{"step": st, **{n: cells.get((st, n)) for n in cluster.names}} for st in steps]},
+                          "steps": [{"step": st, **{n: cells.get((st, n)) for n in catalog.names}} for st in steps]},
                          indent=1))
         return EXIT_OK
-    for name in cluster.names:
+    for name in catalog.names:
         state = "unreachable" if committed[name] is None else f"{len(committed[name])} steps"
-        print(f"# {_tier_line(cluster, name)}: {state}")
+        print(f"# {catalog.describe(name)}: {state}")
     if not steps:
         print("no committed steps")
         return EXIT_OK
-    header = ["step", "state"] + cluster.names
+    header = ["step", "state"] + catalog.names
     rows = []
     for st in steps:
-        raw = next((c["raw_bytes"] for n in cluster.names if (c := cells.get((st, n))) and "raw_bytes" in c), 0)
+        raw = next((c["raw_bytes"] for n in catalog.names if (c := cells.get((st, n))) and "raw_bytes" in c), 0)
         row = [str(st), format_size(raw)]
-        for n in cluster.names:
+        for n in catalog.names:
             c = cells.get((st, n))
             if c is None:
                 row.append("-")
@@ -237,19 +199,19 @@ def cmd_ls(args: argparse.Namespace, cluster: Cluster) -> int:
     return EXIT_OK
 
 
-def _read_here(cluster: Cluster, name: str, step: int) -> tuple[Any, list[Any]]:
+def _read_here(catalog: TierCatalog, name: str, step: int) -> tuple[Any, list[Any]]:
     """The step's manifest and indexes on tier `name`. The fast tier is node-local: of a step
     saved by several nodes it holds this node's ranks only. Every other tier must hold them all."""
-    tier = cluster.tier(name)
-    return present_ranks(tier, step) if name == cluster.names[0] else read_step(tier, step)
+    tier = catalog.get(name)
+    return present_ranks(tier, step) if name == catalog.names[0] else read_step(tier, step)
 
 
 # --- tiered verify -------------------------------------------------------------------------
-def cmd_verify(args: argparse.Namespace, cluster: Cluster) -> int:
-    names = [args.tier] if args.tier else cluster.names
+def cmd_verify(args: argparse.Namespace, catalog: TierCatalog) -> int:
+    names = [args.tier] if args.tier else catalog.names
     for n in names:
-        cluster.tier(n)
-    committed = cluster.committed(names)
+        catalog.get(n)
+    committed = catalog.committed(names)
     work = []
     for name, held in committed.items():
         if held is None:
@@ -264,11 +226,11 @@ def cmd_verify(args: argparse.Namespace, cluster: Cluster) -> int:
     if not work:
         print("tiered verify: no committed step matches", file=sys.stderr)
         return EXIT_FAILED
-    failed = _verify_steps(cluster, work, quick=args.quick, show=not args.quiet)
+    failed = verify_steps(catalog, work, quick=args.quick, show=not args.quiet)
     return EXIT_FAILED if failed or any(v is None for v in committed.values()) else EXIT_OK
 
 
-def _verify_steps(cluster: Cluster, work: list[tuple[str, int]], *, quick: bool, show: bool) -> int:
+def verify_steps(catalog: TierCatalog, work: list[tuple[str, int]], *, quick: bool, show: bool) -> int:
     """Read every chunk of each (tier, step), check its checksum and, unless `quick`, decode it
     where this machine can (CPU codecs always; ans needs a GPU and gets its checksums checked)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -276,13 +238,13 @@ def _verify_steps(cluster: Cluster, work: list[tuple[str, int]], *, quick: bool,
     bad = 0
     with ThreadPoolExecutor(thread_name_prefix="tiered-verify") as pool:
         for name, step in work:
-            tier = cluster.tier(name)
+            tier = catalog.get(name)
             try:
-                manifest, indexes = _read_here(cluster, name, step)
+                manifest, indexes = _read_here(catalog, name, step)
                 if manifest.dcp is not None:
                     read_pinned(tier, step, manifest.dcp)  # size and checksum against the manifest
                 bar = Progress(f"verify {name} step {step}", manifest.raw_bytes, enabled=show)
-                notes = verify_step(tier, step, indexes, pool, cluster.config.zstd, quick=quick, progress=bar)
+                notes = verify_step(tier, step, indexes, pool, catalog.config.zstd, quick=quick, progress=bar)
                 bar.finish()
             except (TieredError, OSError) as exc:
                 bad += 1
@@ -297,69 +259,33 @@ def _verify_steps(cluster: Cluster, work: list[tuple[str, int]], *, quick: bool,
     return EXIT_FAILED if bad else EXIT_OK
 
 
-def verify_step(tier: Any, step: int, indexes: Sequence[Any], pool: Any, settings: Any, *, quick: bool,
-                progress: Callable[[int], None]) -> str:
-    import numpy as np
-
-    from tiered.codecs import get_codec
-    from tiered.cpu import decode_into, read_windows, verified
-
-    undecoded = 0
-    for index in indexes:
-        if not index.data_bytes:
-            continue
-        reader = tier.open_data_reader(step, index.data_file, device=False)
-        try:
-            if reader.size != index.data_bytes:
-                raise TieredError(f"{reader.path}: data file has {reader.size} bytes, the index says {index.data_bytes}")
-            for rec in index.tensors:
-                codec = get_codec(rec.codec, settings)
-                decode = not quick and codec.cpu_capable
-                undecoded += 0 if decode or quick else len(rec.chunks)
-                for window, data, base in read_windows(rec, reader):
-                    def one(j: int) -> None:
-                        stored = verified(rec, j, data, base, reader.path)
-                        if decode:
-                            out = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
-                            decode_into(codec, rec, j, stored, memoryview(out), reader.path)
-
-                    list(pool.map(one, window))
-                    progress(sum(rec.chunks[j].raw_size for j in window))
-        finally:
-            reader.close()
-    if quick:
-        return " (checksums)"
-    return f" (checksums; {undecoded} ans chunks not decoded: that needs a GPU)" if undecoded else \
-        " (checksums and decode)"
-
-
 # --- tiered gc -----------------------------------------------------------------------------
-def cmd_gc(args: argparse.Namespace, cluster: Cluster) -> int:
+def cmd_gc(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from tiered.migrator import apply_retention
 
-    rules = {t.name: t for t in cluster.config.tiers if t.retention}
+    rules = {t.name: t for t in catalog.config.tiers if t.retention}
     if not rules:
         print("no tier has keep_last or keep_every: nothing to collect")
         return EXIT_OK
-    done = apply_retention(cluster.config, cluster.tier, dry_run=args.dry_run)
+    done = apply_retention(catalog.config, catalog.get, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     for name, t in rules.items():
         steps = done.get(name, [])
         rule = ", ".join(f"{k} {getattr(t, k)}" for k in ("keep_last", "keep_every") if getattr(t, k) is not None)
         print(f"tier {name!r} ({rule}): {verb} {', '.join(map(str, steps)) if steps else 'nothing'}")
-    if cluster.config.tiers[-1].retention:
-        print(f"note: tier {cluster.names[-1]!r} is the last tier: tiered never deletes the only copy of a step there")
+    if catalog.config.tiers[-1].retention:
+        print(f"note: tier {catalog.names[-1]!r} is the last tier: tiered never deletes the only copy of a step there")
     return EXIT_OK
 
 
 # --- tiered migrate ------------------------------------------------------------------------
-def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
+def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from tiered.migrator import (MigrationLock, apply_retention, background_threads, lower_priority, make_gpu_recoder,
                                  migrate_down, pending_steps)
 
-    config = cluster.config
+    config = catalog.config
     if len(config.tiers) < 2:
         print(f"tiered migrate: {config.source} has one tier: nothing to migrate to", file=sys.stderr)
         return EXIT_USAGE
@@ -371,7 +297,7 @@ def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: (log.info("tiered: stopping after the current step"), stop.set()))
     gpu = make_gpu_recoder(config)
-    log.info("tiered: migrating %s%s (%s)", " -> ".join(cluster.names), ", following" if args.follow else "",
+    log.info("tiered: migrating %s%s (%s)", " -> ".join(catalog.names), ", following" if args.follow else "",
              "GPU recompression" if gpu is not None else "CPU recompression")
     failures = 0
     try:
@@ -382,7 +308,7 @@ def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
                                 thread_name_prefix="tiered-codec") as pool:
             while True:
                 try:
-                    todo = pending_steps(config, cluster.tier)
+                    todo = pending_steps(config, catalog.get)
                 except (TieredError, OSError) as exc:
                     log.error("tiered: cannot list the tiers: %s", exc)
                     todo = []
@@ -391,17 +317,17 @@ def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
                     if stop.is_set():
                         break
                     try:
-                        manifest, _ = read_step(cluster.tier(next(n for n in cluster.names
-                                                                  if cluster.tier(n).has_step(step))), step)
-                        bar = Progress(f"step {step}", manifest.raw_bytes * (len(cluster.names) - 1),
+                        manifest, _ = read_step(catalog.get(next(n for n in catalog.names
+                                                                  if catalog.get(n).has_step(step))), step)
+                        bar = Progress(f"step {step}", manifest.raw_bytes * (len(catalog.names) - 1),
                                        enabled=not args.quiet)
-                        migrate_down(step, config, cluster.tier, pool=pool, gpu=gpu, progress=bar)
+                        migrate_down(step, config, catalog.get, pool=pool, gpu=gpu, progress=bar)
                         bar.finish()
                     except (TieredError, OSError) as exc:
                         failures += 1
                         log.error("tiered: migration of step %d failed (it stays on the faster tiers): %s", step, exc)
                 try:
-                    apply_retention(config, cluster.tier)
+                    apply_retention(config, catalog.get)
                 except (TieredError, OSError) as exc:
                     log.error("tiered: retention failed: %s", exc)
                 if not args.follow or stop.wait(args.interval):
@@ -412,7 +338,7 @@ def cmd_migrate(args: argparse.Namespace, cluster: Cluster) -> int:
 
 
 # --- argument parsing ----------------------------------------------------------------------
-_CONFIG_HELP = "cluster YAML (default: the embedded configs/local.yaml: one local tier under ./.tiered)"
+_CONFIG_HELP = "catalog YAML (default: the embedded configs/local.yaml: one local tier under ./.tiered)"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -461,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="tiered", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="tiered: GPU-direct tiered checkpoints. Inspect, verify, migrate and prune the "
-                    "checkpoints a cluster config describes.",
+                    "checkpoints a catalog config describes.",
         epilog="Run `tiered COMMAND --help` for each command. Cold starts: `tiered-restore --help`.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ls = sub.add_parser("ls", help="steps x tiers: stored size, codecs and %% saved of every committed step",
@@ -518,8 +444,8 @@ def _run(parser: argparse.ArgumentParser, fn: Callable[..., int] | None, argv: S
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("botocore").setLevel(logging.WARNING)
     try:
-        cluster = Cluster(load_config(args.config))
-        return (fn or args.fn)(args, cluster)
+        catalog = TierCatalog(load_config(args.config))
+        return (fn or args.fn)(args, catalog)
     except ConfigError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -20,172 +20,46 @@ Loading with `SafeLoadPlanner` reads non-tensor values with torch.load(weights_o
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import logging
-import os
-import threading
-import uuid
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
-                                                  SavePlanner, WriteItemType)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.futures import Future
 
-from tiered.dcp_commit import (StoredItem, adopt_in_background, commit_step, metadata_from_json,
-                               multi_rank, post_commit, post_failure, results_of)
-from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format import Manifest, RankEntry, RankIndex, TensorRecord, read_manifest, read_pinned, read_rank_index
+from tiered.dcp_storage import NotSavedThroughDcp, SafeLoadPlanner, StepReader, StepWriter, box_chunks, item_name
+from tiered.engine import Engine
 
-__all__ = ["GpuStager", "SafeLoadPlanner", "TieredStorageReader", "TieredStorageWriter"]
-
-log = logging.getLogger("tiered")
+__all__ = ["GpuStager", "NotSavedThroughDcp", "SafeLoadPlanner", "TieredStorageReader", "TieredStorageWriter",
+           "box_chunks", "item_name"]
 
 
-def _engine(engine_or_config: Any) -> tuple[Any, bool]:
-    from tiered.engine import Engine
-
+def _engine(engine_or_config: Any) -> tuple[Engine, bool]:
+    """(the Engine, whether this object made it and so closes it)."""
     if isinstance(engine_or_config, Engine):
         return engine_or_config, False
     return Engine.from_config(engine_or_config), True
 
 
-def _step_of(checkpoint_id: Any) -> int:
-    text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return text
-    if isinstance(text, str) and text.isdigit():
-        return int(text)
-    raise ValueError(f"tiered checkpoint_id must be a step number (a non-negative int), got {checkpoint_id!r}")
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def item_name(index: MetadataIndex) -> str:
-    """The tensor name an item gets in a rank's index: its fqn, and the shard's offsets."""
-    return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
-
-
-# --- writing ---------------------------------------------------------------------------------
-
-class TieredStorageWriter(StorageWriter):
+class TieredStorageWriter(StepWriter):
     """A DCP StorageWriter writing `step` with `engine` (an Engine, or a config for one that this
     writer owns and closes in `close()`). The checkpoint_id given to dcp.save, if any, is the step."""
 
     def __init__(self, engine: Any = None, step: int | None = None):
         self.engine, self._owns = _engine(engine)
-        self.step = None if step is None else _step_of(step)
-        self.is_coordinator = False
-        self.rank, self.world_size = 0, 1
-        self.save_id: str | None = None
-        """Set by the coordinator's prepare_global_plan; every rank gets it with its plan."""
+        super().__init__(self.engine.saves, step)
 
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None:
-            self.step = _step_of(checkpoint_id)
-        self.save_id = None
+    def close(self) -> None:
+        if self._owns:
+            self.engine.close()
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        try:
-            _step_of(checkpoint_id)
-        except ValueError:
-            return False
-        return True
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.step is None:
-            raise ValueError("TieredStorageWriter needs a step: TieredStorageWriter(engine, step) or "
-                             "dcp.save(..., checkpoint_id=step)")
-        self.is_coordinator = is_coordinator
-        rank, self.world_size = _rank_world()
-        self.rank = kwargs.get("rank", rank)
-        self.engine._bind_rank(self.rank, self.world_size)
+class TieredStorageReader(StepReader):
+    """A DCP StorageReader of `step` (default: the newest step on any tier) through `engine` (an
+    Engine, or a config for one that this reader owns and closes in `close()`). Reads the fastest
+    tier holding the step; a rank's files missing there (another node's local disk) are read from
+    the next tier holding them. Each rank reads and decodes only the chunks covering what it loads."""
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # One id for this save, sent to every rank with its plan: the key under which the ranks
-        # and the coordinator exchange the commit (paths may differ from node to node).
-        save_id = uuid.uuid4().hex
-        return [dataclasses.replace(p, storage_data=save_id) for p in plans]
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Stage this rank's items (GPU tensors: compressed on their GPU) and return a future of
-        their WriteResults that completes when the rank's files are durable."""
-        fut: Future = Future()
-        self.save_id = plan.storage_data
-        handle = self.stage_items(plan, planner)
-        if not self.is_coordinator and isinstance(self.save_id, str) and multi_rank():
-            # dcp.save gives no rank but the coordinator a hook after the commit: a thread waits
-            # for the coordinator's post and commits the step on this node's tier as well.
-            t = threading.Thread(target=adopt_in_background, args=(self.engine, self.step, self.save_id), daemon=True,
-                                 name="tiered-adopt")
-            t.start()
-            self.engine._adopting.append(t)  # Engine.close() waits for it
-        if handle is None:
-            fut.set_result([])
-            return fut
-        items = list(plan.items)
-
-        def done(f: Any) -> None:
-            try:
-                fut.set_result(results_of(items, f.result(), self.rank))
-            except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
-                fut.set_exception(exc)
-
-        handle.persisted.add_done_callback(done)
-        return fut
-
-    def stage_items(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        """Hand this rank's items to the engine; return its SaveHandle (None: nothing to write)."""
-        if not plan.items:
-            return None
-        state: dict[str, torch.Tensor] = {}
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                data = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if data.getbuffer().nbytes \
-                    else torch.empty(0, dtype=torch.uint8)
-            elif not isinstance(data, torch.Tensor):
-                raise TypeError(f"{item_name(item.index)}: the planner resolved a {type(data).__name__}, not a tensor")
-            else:
-                data = data.detach()
-                if not data.is_contiguous():  # a projection of a larger tensor: store just that
-                    data = data.contiguous()
-            state[item_name(item.index)] = data
-        return self.engine._save(self.step, state, rank_only=True)
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write the DCP metadata and commit the step on this node's fast tier;
-        then post the manifest for the other nodes."""
-        save_id = self.save_id
-        try:
-            manifest = commit_step(self.engine, self.step, metadata, [r for rank in results for r in rank],
-                                   self.world_size)
-        except BaseException as exc:
-            if isinstance(save_id, str) and multi_rank():
-                post_failure(save_id, repr(exc))
-            raise
-        if isinstance(save_id, str) and multi_rank():
-            post_commit(self.engine, save_id, manifest)
-        if self.engine._migrator is not None:
-            self.engine._migrator.submit(self.step)
+    def __init__(self, engine: Any = None, step: int | None = None, *, tier: str | None = None):
+        self.engine, self._owns = _engine(engine)
+        super().__init__(self.engine.restorer, step, tier=tier)
 
     def close(self) -> None:
         if self._owns:
@@ -239,274 +113,3 @@ def _copy_tree(node: Any, gpus: set) -> Any:
     return node
 
 
-# --- reading ---------------------------------------------------------------------------------
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but non-tensor values are loaded with
-    ``torch.load(weights_only=True)``: loading a checkpoint runs no code from it."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: F401 - DCP's own helper
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-class TieredStorageReader(StorageReader):
-    """A DCP StorageReader of `step` (default: the newest step on any tier) through `engine` (an
-    Engine, or a config). Reads the fastest tier holding the step; a rank's files missing there
-    (another node's local disk) are read from the next tier holding them. Each rank reads and
-    decodes only the chunks covering what it loads."""
-
-    def __init__(self, engine: Any = None, step: int | None = None, *, tier: str | None = None):
-        self.engine, self._owns = _engine(engine)
-        self.step = None if step is None else _step_of(step)
-        self.tier_name = tier
-        self.sources: list[Any] = []
-        """The tiers holding the step, fastest first: found by read_metadata unless set before."""
-        self._manifest: Manifest | None = None
-        self._manifests: dict[str, Manifest] = {}
-        self.metadata: Metadata | None = None
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None:
-            self.step = _step_of(checkpoint_id)
-            self.sources = []  # another step: its tiers are looked up again
-        self._manifest = self.metadata = None
-        self._manifests = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return TieredStorageWriter.validate_checkpoint_id(checkpoint_id)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
-            return self._read_metadata()
-        except BaseException as exc:
-            # Some DCP versions (2.11) swallow this error and raise "metadata is None": say why here.
-            log.error("tiered: cannot load step %s through DCP: %s", self.step, exc)
-            raise
-
-    def _read_metadata(self) -> Metadata:
-        if not self.sources:
-            self.step, self.sources = self.engine._sources(self.step, self.tier_name)
-        errors: list[BaseException] = []
-        for tier in self.sources:
-            try:
-                manifest = read_manifest(tier, self.step)
-                if manifest.dcp is None:
-                    raise NotSavedThroughDcp(
-                        f"{tier.describe(self.step, 'MANIFEST.json')}: step {self.step} was not saved through "
-                        "torch.distributed.checkpoint; load it with Engine.restore / Engine.load")
-                self.metadata = metadata_from_json(read_pinned(tier, self.step, manifest.dcp),
-                                                   tier.describe(self.step, manifest.dcp.name))
-                self._manifest = manifest
-                return self.metadata
-            except NotSavedThroughDcp:
-                raise
-            except (TieredError, OSError) as exc:
-                errors.append(exc)
-            log.warning("tiered: step %d: cannot read its DCP metadata on tier %r: %s", self.step, tier.name,
-                        errors[-1])
-        raise errors[-1]
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        fut: Future = Future()
-        try:
-            self._read(plan, planner)
-            fut.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - DCP waits on the future and raises
-            fut.set_exception(exc)
-        return fut
-
-    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        if self._manifest is None or self.metadata is None:
-            self.read_metadata()
-        storage = self.metadata.storage_data
-        by_rank: dict[int, list[tuple[ReadItem, StoredItem]]] = {}
-        for item in plan.items:
-            loc = storage.get(item.storage_index)
-            if loc is None:
-                raise FormatError(f"step {self.step}: the metadata has no storage for {item_name(item.storage_index)}")
-            by_rank.setdefault(loc.rank, []).append((item, loc))
-        for rank, items in sorted(by_rank.items()):
-            entry = self._manifest.entry(rank)
-            if entry is None:
-                raise FormatError(f"step {self.step}: items are stored by rank {rank}, which the manifest does not list")
-            tier, index = self._rank_index(entry)
-            _read_rank(self.engine, self.step, tier, self.sources[self.sources.index(tier) + 1:], index, items, planner)
-
-    def _rank_index(self, entry: RankEntry) -> tuple[Any, RankIndex]:
-        """The first tier (fastest first) holding the rank's index, and the index, checked
-        against that tier's own manifest (a migration may have recompressed the rank there)."""
-        last: BaseException | None = None
-        for tier in self.sources:
-            try:
-                if tier.name not in self._manifests:
-                    self._manifests[tier.name] = read_manifest(tier, self.step)
-                own = self._manifests[tier.name].entry(entry.rank)
-                if own is None:
-                    raise FormatError(f"{tier.describe(self.step, 'MANIFEST.json')}: no entry for rank {entry.rank}")
-                if tier.file_size(self.step, own.index_file) is None:
-                    continue  # another node's rank: not on this node's local tier
-                return tier, read_rank_index(tier, self.step, own)
-            except (TieredError, OSError) as exc:
-                last = exc
-                log.warning("tiered: step %d: cannot read rank %d's index on tier %r: %s", self.step, entry.rank,
-                            tier.name, exc)
-        if last is None:
-            raise CheckpointNotFoundError(f"step {self.step}: no tier holds rank {entry.rank}'s files "
-                                          f"(tried {', '.join(t.name for t in self.sources)})")
-        raise last
-
-    def close(self) -> None:
-        if self._owns:
-            self.engine.close()
-
-
-class NotSavedThroughDcp(FormatError):
-    """The step was saved by one process (Engine.save without torch.distributed)."""
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    out, n = [1] * len(shape), 1
-    for i in range(len(shape) - 1, -1, -1):
-        out[i], n = n, n * shape[i]
-    return out
-
-
-def box_chunks(shape: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int],
-               chunk_size: int, mark: np.ndarray) -> None:
-    """Mark (in `mark`, one bool per chunk) the chunks of a C-order tensor of `shape` that hold
-    any byte of the box `offsets` + `lengths`."""
-    if any(n == 0 for n in lengths):
-        return
-    d, strides = len(shape), _strides(shape)
-    k = d - 1  # the box is runs of dims k.. (dims after k taken whole), one per index of dims ..k
-    while k > 0 and lengths[k] == shape[k]:
-        k -= 1
-    k = max(k, 0)
-    run = (lengths[k] * strides[k]) if d else 1
-    starts = np.array([(offsets[k] * strides[k]) if d else 0], dtype=np.int64)
-    for i in range(k):
-        starts = (starts[None, :] + ((offsets[i] + np.arange(lengths[i], dtype=np.int64)) * strides[i])[:, None]).ravel()
-    first = starts * itemsize // chunk_size
-    last = ((starts + run) * itemsize - 1) // chunk_size
-    diff = np.zeros(len(mark) + 1, dtype=np.int64)
-    np.add.at(diff, first, 1)
-    np.add.at(diff, last + 1, -1)
-    mark |= np.cumsum(diff[:-1]) > 0
-
-
-def _groups(ids: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs [a, b) of consecutive chunk ids."""
-    out: list[tuple[int, int]] = []
-    for j in ids.tolist():
-        if out and out[-1][1] == j:
-            out[-1] = (out[-1][0], j + 1)
-        else:
-            out.append((j, j + 1))
-    return out
-
-
-class _SubRepair:
-    """The engine's ChunkRepair for chunk groups cut out of records."""
-
-    def __init__(self, repair: Any, parts: dict[int, tuple[TensorRecord, int]]):
-        self.repair, self.parts = repair, parts
-
-    def __bool__(self) -> bool:
-        return bool(self.repair)
-
-    def __call__(self, rec: TensorRecord, j: int, why: str) -> Any:
-        orig, a = self.parts[id(rec)]
-        return self.repair(orig, a + j, why)
-
-
-def _read_rank(engine: Any, step: int, tier: Any, slower: list[Any], index: RankIndex,
-               items: list[tuple[ReadItem, StoredItem]], planner: LoadPlanner) -> None:
-    """Decode the chunks of `index`'s tensors that `items` need, then copy each item's box out.
-    A chunk failing its checksum is read from the `slower` tiers instead."""
-    from tiered.restore import ChunkRepair, decode_rank
-
-    cs = index.chunk_size
-    by_tensor: dict[int, list[ReadItem]] = {}
-    for item, loc in items:
-        if not 0 <= loc.tensor < len(index.tensors):
-            raise FormatError(f"{tier.describe(step, index.data_file)}: no tensor {loc.tensor} for "
-                              f"{item_name(item.storage_index)}")
-        by_tensor.setdefault(loc.tensor, []).append(item)
-    records: list[TensorRecord] = []
-    dests: dict[int, torch.Tensor] = {}
-    parts: dict[int, tuple[TensorRecord, int]] = {}
-    spans: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (span buffer, first byte it holds)
-    for t, its in by_tensor.items():
-        rec = index.tensors[t]
-        if not rec.chunks:
-            continue
-        mark = np.zeros(len(rec.chunks), dtype=bool)
-        for item in its:
-            if item.type == LoadItemType.BYTE_IO:
-                mark[:] = True
-            else:
-                box_chunks(rec.shape, rec.torch_dtype.itemsize, item.storage_offsets, item.lengths, cs, mark)
-        ids = np.flatnonzero(mark)
-        if not len(ids):
-            continue
-        first, end = int(ids[0]), int(ids[-1]) + 1
-        device = _target_device(planner, its)
-        span = torch.empty(sum(c.raw_size for c in rec.chunks[first:end]), dtype=torch.uint8, device=device)
-        spans[t] = (span, first * cs)
-        for a, b in _groups(ids):
-            sub = TensorRecord(index=len(records), name=rec.name, dtype="uint8",
-                               shape=(sum(c.raw_size for c in rec.chunks[a:b]),), device=rec.device,
-                               is_numpy=False, codec=rec.codec, chunks=rec.chunks[a:b])
-            records.append(sub)
-            parts[id(sub)] = (rec, a)
-            start = (a - first) * cs
-            dests[sub.index] = span[start:start + sub.shape[0]]
-    if records:
-        sub_index = RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=index.data_bytes, chunk_size=cs,
-                              skeleton=None, tensors=tuple(records), io=index.io)
-        repair = ChunkRepair(step, index.rank, tier.name, slower, engine.config.zstd, cs)
-        try:
-            decode_rank(step, sub_index, dests, tier, _SubRepair(repair, parts) if repair else None,
-                        gpu_ready=engine.gpu_codecs, device=engine._device, pool=engine._pool,
-                        settings=engine.config.zstd)
-        finally:
-            repair.close()
-    for t, its in by_tensor.items():
-        rec = index.tensors[t]
-        span, base = spans.get(t, (torch.empty(0, dtype=torch.uint8), 0))
-        for item in its:
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(span.cpu().numpy().tobytes()))
-                continue
-            typed = span.view(rec.torch_dtype) if span.numel() else torch.empty(0, dtype=rec.torch_dtype)
-            strides = _strides(rec.shape)
-            offset = sum(o * s for o, s in zip(item.storage_offsets, strides)) - base // rec.torch_dtype.itemsize
-            dst = planner.resolve_tensor(item).detach()
-            if dst.numel():
-                src = torch.as_strided(typed, tuple(item.lengths), tuple(strides), offset)
-                dst.copy_(src)
-            planner.commit_tensor(item, dst)
-
-
-def _target_device(planner: LoadPlanner, items: list[ReadItem]) -> torch.device:
-    """Where the span is decoded: the device of the first tensor item's destination."""
-    for item in items:
-        if item.type != LoadItemType.BYTE_IO:
-            return planner.resolve_tensor(item).device
-    return torch.device("cpu")

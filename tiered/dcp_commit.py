@@ -31,6 +31,7 @@ from tiered import checksum, tree
 from tiered.errors import FormatError, TieredError
 from tiered.format import DTYPES, FileEntry, Manifest, RankEntry, dtype_name
 from tiered.units import format_size
+from tiered.version import __version__
 
 log = logging.getLogger("tiered")
 
@@ -68,21 +69,21 @@ def results_of(items: Sequence[Any], files: Any, rank: int) -> list[WriteResult]
             for i, item in enumerate(items)]
 
 
-def commit_step(engine: Any, step: int, metadata: Metadata, results: Sequence[WriteResult], world_size: int) -> Manifest:
+def commit_step(tier: Any, step: int, metadata: Metadata, results: Sequence[WriteResult], world_size: int) -> Manifest:
     """Write `metadata` (with where each item is stored) and the manifest listing every rank
-    that stored anything: the commit. Every rank's files must be durable already."""
+    that stored anything on `tier` (the coordinator's fast tier): the commit. Every rank's files
+    must be durable already."""
     locations = {r.index: r.storage_data for r in results}
     files = sorted((r.storage_data.files for r in results if r.storage_data.files is not None),
                    key=lambda f: f.entry.rank)
     if not files:
         raise TieredError(f"step {step}: no rank stored anything")
     raw = metadata_to_json(metadata, locations)
-    tier = engine.tier
     tier.write_file(step, DCP_METADATA, raw)
     manifest = Manifest(step=step, world_size=world_size, ranks=tuple(f.entry for f in files),
                         raw_bytes=sum(f.raw_bytes for f in files), stored_bytes=sum(f.stored_bytes for f in files),
                         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                        writer=f"tiered {_version()}", dcp=FileEntry(DCP_METADATA, len(raw), checksum.wsum64(raw)))
+                        writer=f"tiered {__version__}", dcp=FileEntry(DCP_METADATA, len(raw), checksum.wsum64(raw)))
     tier.commit(step, manifest.to_json())
     log.info("tiered: step %d committed by %d of %d ranks: %s -> %s (%.1f%% saved)", step, len(files), world_size,
              format_size(manifest.raw_bytes), format_size(manifest.stored_bytes), 100 * manifest.saved_fraction)
@@ -112,8 +113,9 @@ def commit_key(save_id: str) -> str:
     return f"tiered/{save_id}/commit"
 
 
-def post_commit(engine: Any, save_id: str, manifest: Manifest) -> None:
-    dcp_raw = engine.tier.read_file(manifest.step, manifest.dcp.name, manifest.dcp.size)
+def post_commit(tier: Any, save_id: str, manifest: Manifest) -> None:
+    """Coordinator: post the committed manifest (and DCP metadata) of `tier` for the other nodes."""
+    dcp_raw = tier.read_file(manifest.step, manifest.dcp.name, manifest.dcp.size)
     store().set(commit_key(save_id), json.dumps({"manifest": base64.b64encode(manifest.to_json()).decode(),
                                                  "dcp": base64.b64encode(dcp_raw).decode()}))
 
@@ -122,10 +124,11 @@ def post_failure(save_id: str, why: str) -> None:
     store().set(commit_key(save_id), json.dumps({"error": why}))
 
 
-def adopt_commit(engine: Any, step: int, save_id: str) -> Manifest:
+def adopt_commit(saves: Any, step: int, save_id: str) -> Manifest:
     """Wait for the coordinator's commit of `step`; on a node other than the coordinator's, its
     local rank 0 commits the same manifest (and DCP metadata) on this node's tier, where this
-    node's ranks' files are; the other local ranks wait until it has."""
+    node's ranks' files are; the other local ranks wait until it has. `saves`: this rank's
+    SavePipeline (its fast tier and rank)."""
     s = store()
     s.wait([commit_key(save_id)], COMMIT_TIMEOUT)
     posted = json.loads(s.get(commit_key(save_id)))
@@ -133,8 +136,8 @@ def adopt_commit(engine: Any, step: int, save_id: str) -> Manifest:
         raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")
     raw = base64.b64decode(posted["manifest"])
     manifest = Manifest.from_json(raw, f"step {step}'s manifest from rank 0")
-    tier = engine.tier
-    if int(os.environ.get("LOCAL_RANK", engine.rank)) == 0:
+    tier = saves.tier
+    if int(os.environ.get("LOCAL_RANK", saves.rank)) == 0:
         if not tier.has_step(step):
             tier.write_file(step, manifest.dcp.name, base64.b64decode(posted["dcp"]))
             tier.commit(step, raw)
@@ -147,20 +150,15 @@ def adopt_commit(engine: Any, step: int, save_id: str) -> Manifest:
     return manifest
 
 
-def adopt_in_background(engine: Any, step: int, save_id: str) -> None:
+def adopt_in_background(saves: Any, step: int, save_id: str) -> None:
+    """`adopt_commit` on a thread of its own (dcp.save gives no rank but the coordinator a hook
+    after the commit); failures are logged, and the step is handed on once committed here."""
     try:
-        adopt_commit(engine, step, save_id)
+        adopt_commit(saves, step, save_id)
     except BaseException as exc:  # noqa: BLE001 - a thread of its own: logged
         log.error("tiered: step %d: this node did not commit it: %s", step, exc)
         return
-    if engine._migrator is not None:
-        engine._migrator.submit(step)
-
-
-def _version() -> str:
-    from tiered.engine import _version
-
-    return _version()
+    saves.notify_committed(step)
 
 
 # --- the metadata as JSON --------------------------------------------------------------------

@@ -34,22 +34,24 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from tiered.dcp import SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
 from tiered.dcp_commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
                                post_failure, results_of, store)
+from tiered.dcp_storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest, RankEntry
+from tiered.save import SaveHandle
 
 log = logging.getLogger("tiered")
 
 
 class DistributedSaver:
-    """The distributed side of one Engine: plans collectively, stages locally, commits in the background."""
+    """The distributed side of one Engine's `saves` (a SavePipeline): plans collectively, stages
+    locally, commits in the background."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, saves: Any):
+        self.saves = saves
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        engine._bind_rank(self.rank, self.world)
+        saves.bind_rank(self.rank, self.world)
         self._cached: tuple[Any, Any, Any] | None = None
         """(this rank's local plan items, its final plan, the coordinator's metadata) of the last save."""
         self._pending: list[Any] = []
@@ -59,12 +61,10 @@ class DistributedSaver:
         self._thread.start()
 
     # --- save ------------------------------------------------------------------------------
-    def save(self, step: int, state_dict: Any) -> Any:
-        from tiered.engine import SaveHandle
-
+    def save(self, step: int, state_dict: Any) -> SaveHandle:
         t0 = time.perf_counter()
         coordinator = self.rank == 0
-        writer = TieredStorageWriter(self.engine, step)
+        writer = StepWriter(self.saves, step)
         writer.set_up_storage_writer(coordinator, rank=self.rank)
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
@@ -144,14 +144,12 @@ class DistributedSaver:
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
                 err = exc if isinstance(exc, BackgroundSaveError) else BackgroundSaveError(step, exc)
                 log.error("tiered: %s", err)
-                with self.engine._lock:
-                    self.engine._error = self.engine._error or err
+                self.saves.record_failure(err)
                 if not handle.staged.done():
                     handle.staged.set_exception(err)
                 handle.persisted.set_exception(err)
                 continue
-            if self.engine._migrator is not None:
-                self.engine._migrator.submit(step)
+            self.saves.notify_committed(step)
             handle.persisted.set_result(manifest)
 
     def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any, save_id: str) -> Manifest:
@@ -170,16 +168,16 @@ class DistributedSaver:
                 failed = [p["error"] for p in posted if isinstance(p, dict)]
                 if failed:
                     raise TieredError(f"step {step} was not committed: {'; '.join(failed)}")
-                manifest = commit_step(self.engine, step, metadata, [r for p in posted for r in _decode_results(p)],
+                manifest = commit_step(self.saves.tier, step, metadata, [r for p in posted for r in _decode_results(p)],
                                        self.world)
                 for k in keys:
                     s.delete_key(k)
             except BaseException as exc:
                 post_failure(save_id, repr(exc))
                 raise
-            post_commit(self.engine, save_id, manifest)
+            post_commit(self.saves.tier, save_id, manifest)
             return manifest
-        return adopt_commit(self.engine, step, save_id)
+        return adopt_commit(self.saves, step, save_id)
 
 
 def _rank_key(save_id: str, rank: int) -> str:
@@ -225,11 +223,12 @@ def agree_on_step(step: int | None, find: Any) -> int:
     return box[0]
 
 
-def restore_dcp(engine: Any, state_dict: Any, step: int, order: list[Any], *, strict: bool) -> None:
-    """Load DCP-saved `step` into `state_dict` in place, resharding as DCP's planner decides,
-    from the tiers `order` (those holding the step, fastest first, as Engine._sources found them)."""
+def restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *, strict: bool) -> None:
+    """Load DCP-saved `step` into `state_dict` in place through `restorer` (a Restorer),
+    resharding as DCP's planner decides, from the tiers `order` (those holding the step, fastest
+    first, as TierCatalog.restore_order found them)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = TieredStorageReader(engine, step)
+    reader = StepReader(restorer, step)
     reader.sources = order
     dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))

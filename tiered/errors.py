@@ -11,6 +11,12 @@ class ConfigError(TieredError, ValueError):
     """A configuration file or dict is invalid; the message names the file and the field."""
 
 
+class UnknownTierError(ConfigError, KeyError):
+    """A tier name the configuration does not define (a KeyError too: a lookup by name that failed)."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
+
+
 class FormatError(TieredError):
     """A manifest or index is malformed, of an unknown version, or unsafe to follow."""
 

@@ -39,6 +39,8 @@ from tiered.format import (MAX_INDEX_BYTES, ChunkRecord, CodecSpec, Manifest, Ra
                            index_file_name, present_ranks, read_pinned)
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
+from tiered.runtime import gpu_stack_available
+from tiered.tiers import device_reader
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
@@ -251,8 +253,6 @@ class GpuRecoder:
 
     def reader(self, src: Any, step: int, index: RankIndex) -> Any:
         """A reader of the rank's data file into GPU memory (KvikIO, or staged through the host)."""
-        from tiered.gpu import device_reader
-
         return device_reader(src, step, index.data_file)
 
     def decode_window(self, reader: Any, rec: TensorRecord, lo: int, hi: int, chunk_size: int) -> torch.Tensor:
@@ -295,8 +295,6 @@ class GpuRecoder:
 def make_gpu_recoder(config: Any) -> GpuRecoder | None:
     """A GpuRecoder on the current CUDA device with migration-sized buffers (at most 512 MiB of
     slab and 128 MiB of pack buffer, beside whatever training holds), or None without GPU codecs."""
-    from tiered.engine import gpu_stack_available
-
     if not gpu_stack_available():
         return None
     from tiered.config import Budgets

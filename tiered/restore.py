@@ -1,5 +1,20 @@
-"""Reading a step back: every tensor of a rank decoded into its destination (`decode_rank`), and
-the fallback that serves a chunk failing on the tier being read from a slower tier (`ChunkRepair`).
+"""The restore pipeline: read plan -> fetch with per-chunk fallback -> verify -> decode -> place.
+
+    Restorer.load(step, target, order)          order: TierCatalog.restore_order's tiers
+      -> open the step on the first tier whose manifest and index read (the next one otherwise)
+      -> plan: each stored tensor to its destination (the target's tensor where shape and dtype
+         match, else a new one on `device` or where it was saved)
+      -> decode_rank: GPU codecs read into GPU buffers (KvikIO), checksums verified and decoded on
+         the GPU (tiered.gpu); CPU codecs read in windows, verified and decoded on the codec pool
+         (tiered.cpu: read_windows -> verified -> decode_into, the same chunk reads the migrator
+         and `verify_step` use)
+      -> a chunk failing its checksum, or a missing data file, is served by `ChunkRepair` from the
+         next slower tier holding the step
+      -> the state rebuilt from the index's skeleton (tiered.tree)
+
+`Engine.restore` / `Engine.load` call `Restorer`; DCP's StorageReader (tiered.dcp_storage)
+calls `decode_rank` and `ChunkRepair` for the chunk ranges its plan needs; `tiered verify` calls
+`verify_step`.
 
 Every tier stores a tensor as chunks of the same uncompressed size, whatever its codec, so chunk
 j of a tensor covers the same bytes on every tier: a damaged or missing chunk on the fast tier is
@@ -18,11 +33,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from tiered import cpu
-from tiered.codecs import get_codec_class
+from tiered import cpu, tree
+from tiered.catalog import TierCatalog, summarize
+from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.errors import CodecUnavailableError, CorruptionError, FormatError, TieredError
-from tiered.format import RankIndex, TensorRecord, read_manifest, read_rank_index
+from tiered.errors import (CheckpointNotFoundError, CodecUnavailableError, CorruptionError, FormatError,
+                           StateDictError, TieredError)
+from tiered.format import (Manifest, RankIndex, TensorRecord, dtype_name, index_file_name, read_manifest,
+                           read_rank_index, read_step)
+from tiered.runtime import Workers
+from tiered.tiers import device_reader
 
 log = logging.getLogger("tiered")
 _DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
@@ -176,8 +196,6 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
     if not by_gpu:
         decode_on_cpu()
         return
-    from tiered.gpu import device_reader
-
     # CPU tensors (optimizer step counters, RNG states: small, many) decode on a thread meanwhile.
     failed: list[BaseException] = []
 
@@ -200,3 +218,118 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
         worker.join()
     if failed:
         raise failed[0]
+
+
+class Restorer:
+    """The restore side of one Engine: reads committed steps back through `workers`."""
+
+    def __init__(self, config: Any, catalog: TierCatalog, workers: Workers):
+        self.config, self.catalog, self.workers = config, catalog, workers
+
+    def read_index(self, step: int, tier: str | None = None, rank: int = 0) -> tuple[Manifest, RankIndex]:
+        """A committed step's manifest and the index of `rank`, validated and cross-checked."""
+        manifest, indexes = read_step(self.catalog.get(tier), step)
+        if manifest.world_size == 1:
+            return manifest, indexes[0]
+        found = [i for i in indexes if i.rank == rank]
+        if not found:
+            raise CheckpointNotFoundError(f"step {step} has no files of rank {rank}")
+        return manifest, found[0]
+
+    def decode(self, step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any,
+               repair: "ChunkRepair | None") -> None:
+        """`decode_rank` with this engine's codec pool and GPU devices."""
+        decode_rank(step, index, dests, tier, repair, gpu_ready=self.workers.gpu_ready, device=self.workers.device,
+                    pool=self.workers.pool, settings=self.config.zstd)
+
+    def load(self, step: int, target: Any, *, strict: bool, device: torch.device | None,
+             order: list[Any]) -> tuple[Any, str]:
+        """Decode `step` from the first tier of `order` that opens; the rest stand in for its
+        damaged chunks. Returns (state, name of the tier read)."""
+        for i, tier in enumerate(order):
+            try:
+                manifest, indexes = read_step(tier, step)
+                if manifest.dcp is not None:
+                    raise FormatError(f"{tier.describe(step, 'MANIFEST.json')}: step {step} was saved through "
+                                      "torch.distributed.checkpoint: load it into a state_dict with Engine.restore "
+                                      "or dcp.load(..., storage_reader=tiered.dcp.TieredStorageReader(...))")
+                index = indexes[0]  # saved by one process; every rank restores the same state
+                break
+            except (TieredError, OSError) as exc:
+                if i + 1 == len(order):
+                    raise
+                log.warning("tiered: step %d: cannot open it on tier %r (%s); reading tier %r instead", step,
+                            tier.name, exc, order[i + 1].name)
+        repair = ChunkRepair(step, 0, tier.name, order[i + 1:], self.config.zstd, index.chunk_size)
+        _, leaves = tree.flatten(target)
+        targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
+        dests: dict[int, torch.Tensor] = {}
+        for rec in index.tensors:
+            leaf = targets.pop(rec.name, None)
+            if leaf is not None:
+                t = leaf.tensor
+                if t.dtype != rec.torch_dtype or tuple(t.shape) != rec.shape:
+                    raise StateDictError(f"{rec.name}: step {step} stores {rec.dtype}{list(rec.shape)}, but the "
+                                         f"state_dict has {dtype_name(t.dtype)}{list(t.shape)}")
+                if not leaf.is_numpy:
+                    dests[rec.index] = t
+                    continue
+            where = device or (leaf.tensor.device if leaf is not None else _saved_device(rec.device))
+            dests[rec.index] = torch.empty(rec.shape, dtype=rec.torch_dtype, device=where)
+        if strict and targets:
+            raise StateDictError(f"step {step} has no entry for {summarize(sorted(targets))} of the given state_dict "
+                                 "(pass strict=False to leave them as they are)")
+        try:
+            self.decode(step, index, dests, tier, repair if repair else None)
+        finally:
+            repair.close()
+        numpy_leaves = {rec.index for rec in index.tensors if rec.is_numpy}
+        try:
+            return tree.decode(index.skeleton,
+                               lambda i: dests[i].numpy() if i in numpy_leaves else dests[i]), tier.name
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise FormatError(f"{tier.describe(step, index_file_name(0))}: skeleton: {exc}") from None
+
+
+def _saved_device(device: str) -> torch.device:
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        return torch.device("cpu")
+    if d.type == "cuda" and torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count():
+        return d
+    return torch.device("cpu")
+
+
+def verify_step(tier: Any, step: int, indexes: Sequence[Any], pool: Any, settings: Any, *, quick: bool,
+                progress: Callable[[int], None]) -> str:
+    """Read every chunk of the ranks `indexes` of `step` on `tier`, check its checksum and, unless
+    `quick`, decode it where this machine can (CPU codecs; ans needs a GPU). Raises the first
+    damage found; returns a note on what was checked. `progress(n)`: raw bytes done."""
+    undecoded = 0
+    for index in indexes:
+        if not index.data_bytes:
+            continue
+        reader = tier.open_data_reader(step, index.data_file, device=False)
+        try:
+            if reader.size != index.data_bytes:
+                raise TieredError(f"{reader.path}: data file has {reader.size} bytes, the index says {index.data_bytes}")
+            for rec in index.tensors:
+                codec = get_codec(rec.codec, settings)
+                decode = not quick and codec.cpu_capable
+                undecoded += 0 if decode or quick else len(rec.chunks)
+                for window, data, base in cpu.read_windows(rec, reader):
+                    def one(j: int) -> None:
+                        stored = cpu.verified(rec, j, data, base, reader.path)
+                        if decode:
+                            out = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
+                            cpu.decode_into(codec, rec, j, stored, memoryview(out), reader.path)
+
+                    list(pool.map(one, window))
+                    progress(sum(rec.chunks[j].raw_size for j in window))
+        finally:
+            reader.close()
+    if quick:
+        return " (checksums)"
+    return f" (checksums; {undecoded} ans chunks not decoded: that needs a GPU)" if undecoded else \
+        " (checksums and decode)"

@@ -19,6 +19,8 @@ that no rank removes another's files; one rank commits once every rank's files a
 
 Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
 ``open_data_reader`` take names validated by tiered.format (plain names inside the step).
+``device_reader(tier, step, name)`` reads into GPU memory: KvikIO where the tier ``reads_into_gpu``,
+else a host read and a copy (`HostStagedReader`).
 """
 
 from __future__ import annotations
@@ -111,3 +113,44 @@ class Tier(Protocol):
     def open_data_reader(self, step: int, name: str, device: bool) -> DataReader: ...
 
     def describe(self, step: int, name: str) -> str: ...
+
+
+class _FinishedRead:
+    """An already finished read, shaped like a KvikIO future."""
+
+    def __init__(self, n: int):
+        self._n = n
+
+    def done(self) -> bool:
+        return True
+
+    def get(self) -> int:
+        return self._n
+
+
+class HostStagedReader:
+    """GPU reads from a tier that reads into host memory only (shared FS, S3): ranged host read,
+    then a copy into the GPU buffer."""
+
+    def __init__(self, reader: Any):
+        self._reader = reader
+        self.path, self.size, self.io_mode = reader.path, reader.size, reader.io_mode + "+h2d"
+
+    def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> _FinishedRead:
+        data = self._reader.read_host(offset, size)
+        if size:
+            out[:size].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return _FinishedRead(size)
+
+    def read_host(self, offset: int, size: int) -> memoryview:
+        return self._reader.read_host(offset, size)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def device_reader(tier: Any, step: int, data_file: str) -> Any:
+    """A reader whose read_device_async fills GPU buffers: KvikIO where the tier supports it."""
+    if tier.reads_into_gpu:
+        return tier.open_data_reader(step, data_file, device=True)
+    return HostStagedReader(tier.open_data_reader(step, data_file, device=False))

@@ -1,0 +1,67 @@
+"""What one engine computes with, shared by its save and restore pipelines: the codec thread pool,
+the pinned host staging pool, and one `GpuDevice` (streams, slab, pack buffer) per GPU, each
+created on first use and reused. `import tiered` needs no CUDA: `tiered.gpu` is imported only
+when a GPU device is first asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tiered.config import Config
+from tiered.staging import HostPool
+
+log = logging.getLogger("tiered")
+
+
+def gpu_stack_available() -> bool:
+    """CUDA, nvCOMP and KvikIO are all present: GPU tensors can be compressed on the GPU."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import kvikio  # noqa: F401
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Workers:
+    """The codec pool, the host staging pool and the GPU devices of one engine."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.gpu_ready = gpu_stack_available()
+        """GPU tensors are compressed on the GPU and written through KvikIO."""
+        if torch.cuda.is_available() and not self.gpu_ready:
+            log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
+                        "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
+        threads = config.zstd.threads or os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
+        """CPU codec work (zstd encode and decode release the GIL)."""
+        self.host = HostPool(config.budgets.host_buffer, page=4096)
+        """Host staging memory: pinned where CUDA exists; allocated once, reused."""
+        self._devices: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def device(self, index: int) -> Any:
+        """The `tiered.gpu.GpuDevice` of GPU `index`, created on first use."""
+        with self._lock:
+            dev = self._devices.get(index)
+            if dev is None:
+                from tiered.gpu import GpuDevice
+
+                dev = self._devices[index] = GpuDevice(index, self.config.chunk_size, self.config.budgets,
+                                                      self.config.zstd, self.host)
+        return dev
+
+    def close(self) -> None:
+        """Stop the codec pool and let the GPU staging memory go."""
+        self.pool.shutdown()
+        self._devices.clear()

@@ -1,0 +1,501 @@
+"""The save pipeline: plan -> stage -> write extents -> fsync -> index -> commit.
+
+`SavePipeline.save(step, state_dict)` runs the first two stages in the caller's thread and
+returns a `SaveHandle` once the state may change again; one background writer thread, in save
+order, runs the rest. `Engine.save`, the distributed save (tiered.distributed) and DCP's
+StorageWriter (tiered.dcp_storage) all call it; the last two with ``rank_only``, which stops
+after this rank's index, because the step is committed once every rank's files are durable.
+
+    save(step, state)                                        caller's thread
+      -> check (open, earlier background failure, step)     raised here
+      -> begin the step on the tier that takes it             `_begin`: fast tier, or next_tier
+      -> plan (tiered.plan: flatten, group, codec per tensor; cached across saves)
+      -> stage: GPU tensors packed + compressed on a side stream (tiered.gpu: the compressed copy
+         is the snapshot), CPU tensors copied into host staging (tiered.cpu)   -> returns
+    writer thread, per staged segment, in order:
+      -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU
+      -> each chunk placed at the next aligned offset; runs of rows written as one extent
+      -> data file closed (fsync)                             `_write_rank`
+      -> the rank's index written (fsync'd temporary + rename)
+      -> the manifest committed, last                          `_write` (not with rank_only)
+      -> hooks told (the migrator queues the step)             `notify_committed`
+
+A failure in the writer is kept and raised by the next `save()` or `wait()` (or by the
+handle's own `wait()`, once); the failed step never becomes visible, since its manifest is never
+written, and its files are discarded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import queue
+import shutil
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from tiered import checksum, cpu, tree
+from tiered.catalog import TierCatalog
+from tiered.config import CPU_DECODABLE_CODECS, Config
+from tiered.errors import BackgroundSaveError, TieredError
+from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
+                           dtype_name, index_file_name)
+from tiered.plan import PlanCache, SavePlan, make_plan
+from tiered.probe import FastTierCodec
+from tiered.runtime import Workers
+from tiered.units import format_size, round_up
+from tiered.version import __version__
+
+log = logging.getLogger("tiered")
+_END = object()
+
+class _Abort:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+@dataclass
+class SaveHandle:
+    """What `save()` returns. Two moments, two futures:
+
+    - ``staged``: the state may change again (GPU: compression has read the tensors).
+    - ``persisted``: the step is durable and committed on the fast tier, or on the next tier where
+      ``on_fast_tier_error: next_tier`` sent it there (result: its Manifest; ``tier``: where).
+    """
+
+    step: int
+    staged: Future = field(default_factory=Future)
+    persisted: Future = field(default_factory=Future)
+    stall_s: float = 0.0
+    """Time `save()` blocked the caller."""
+    raw_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    """Milliseconds spent in each phase of `save()` (plan, per-GPU stage phases, CPU snapshot)."""
+    tier: str = ""
+    """The name of the tier the step is written to."""
+    _reported: Any = None
+    """Called with the failure this handle raised: the engine then does not raise it again."""
+
+    def wait(self, timeout: float | None = None) -> Manifest:
+        """Block until persisted; return the committed manifest or raise the failure (once raised
+        here, the next `save()` or `Engine.wait()` does not raise it again)."""
+        try:
+            return self.persisted.result(timeout)
+        except BackgroundSaveError as exc:
+            if self._reported is not None:
+                self._reported(exc)
+            raise
+
+    def done(self) -> bool:
+        return self.persisted.done()
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.persisted.result()
+
+
+@dataclass
+class _Job:
+    step: int
+    skeleton: Any
+    plan: SavePlan
+    handle: SaveHandle
+    device_io: bool
+    segments: "queue.Queue[Any]" = field(default_factory=queue.Queue)
+    staging_over: bool = False
+    """The writer has taken the last segment (the end marker or an abort)."""
+    aborted: bool = False
+    """save() failed while staging and raised that error itself."""
+    go: threading.Event = field(default_factory=threading.Event)
+    """Set when save() has staged everything, or must wait for the writer to free memory.
+    Until then the writer leaves the job alone, so it does not contend with save() for the GIL."""
+    started: float = field(default_factory=time.perf_counter)
+    tier: Any = None
+    """Where the step is written: the fast tier, or the next one where the fast tier could not take it."""
+    rank_only: bool = False
+    """Write this rank's files only; the step is committed by the distributed save (tiered.dcp)."""
+
+    def drop_tensors(self) -> None:
+        """Forget the saved tensors once the step is written (or has failed): the engine must not
+        keep a state alive that the caller has let go."""
+        self.plan = SavePlan(gpu=self.plan.gpu, cpu=self.plan.cpu)
+
+
+class SavePipeline:
+    """The save side of one Engine: staging in the caller's thread, one writer thread behind it.
+
+    Public calls: `save`, `wait`, `pending`, `close`; for the distributed save and DCP storage:
+    `bind_rank`, `check`, `record_failure`, `track`, `notify_committed`; for the engine: `on_commit`.
+    """
+
+    def __init__(self, config: Config, catalog: TierCatalog, workers: Workers):
+        self.config, self.catalog, self.workers = config, catalog, workers
+        self.tier = catalog.fast
+        self.rank, self.world_size = 0, 1
+        self.codec = FastTierCodec(config, self.tier, workers.pool, workers.host, workers.gpu_ready)
+        """The fast tier's codec (``codec: auto`` decides it from the first save)."""
+        self.closed = False
+        self._plans = PlanCache()
+        self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
+        self._inflight: dict[int, SaveHandle] = {}
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[int], None]] = []
+        self._falling_back = False
+        """The last save went to the next tier (on_fast_tier_error: next_tier)."""
+        self._adopting: list[threading.Thread] = []
+        """Threads committing dcp.save's steps on this node's tier once rank 0 has (tiered.dcp_storage)."""
+        self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
+        self._writer.start()
+
+    # --- for the engine, the distributed save and DCP storage ----------------------------------
+    def on_commit(self, hook: Callable[[int], None]) -> None:
+        """Call `hook(step)` once each step is committed (on this node), before anyone waiting
+        on it sees it persisted: the migrator queues it so."""
+        self._hooks.append(hook)
+
+    def notify_committed(self, step: int) -> None:
+        """`step` is committed on this node's fast tier (a distributed save commits it itself)."""
+        for hook in self._hooks:
+            hook(step)
+
+    def bind_rank(self, rank: int, world_size: int) -> None:
+        """This pipeline writes rank `rank`'s files of a world of `world_size` (torch.distributed)."""
+        if (rank, world_size) != (self.rank, self.world_size):
+            with self._lock:
+                if self._inflight:
+                    raise TieredError(f"cannot become rank {rank} of {world_size} with saves in flight")
+            self.rank, self.world_size = rank, world_size
+
+    def check(self, step: int) -> None:
+        """Before any save: the pipeline is open, earlier background failures are raised, the step is valid."""
+        if self.closed:
+            raise TieredError("this Engine is closed")
+        self.raise_failure()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+
+    def record_failure(self, err: BaseException) -> None:
+        """Keep a background failure for the next `save()` or `wait()` to raise (the first one wins)."""
+        with self._lock:
+            self._error = self._error or err
+
+    def raise_failure(self) -> None:
+        """Raise the kept background failure, if any, once."""
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def track(self, thread: threading.Thread) -> None:
+        """A background thread of a save (DCP's commit on another node) that `wait`/`close` join."""
+        self._adopting.append(thread)
+
+    def pending(self) -> list[int]:
+        """Steps staged and not yet persisted (or failed)."""
+        with self._lock:
+            return sorted(self._inflight)
+
+    # --- staging, in the caller's thread ---------------------------------------------------------
+    def _begin(self, step: int, leaves: Sequence[Any]) -> Any:
+        """Start `step` on the tier that takes it and return that tier: the fast tier; with
+        ``on_fast_tier_error: next_tier``, the next tier where the fast one cannot take the step
+        (its step directory cannot be made: permission denied, read-only or missing filesystem;
+        or it has less free space than the step may need)."""
+        fast = self.tier
+        if self.config.on_fast_tier_error == "fail" or fast.has_step(step):
+            fast.begin_step(step)  # (a committed step is refused here, whatever the setting)
+            return fast
+        try:
+            fast.begin_step(step)
+            need = sum(-(-n // self.config.chunk_size) * ALIGNMENT + n
+                       for n in (leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)) + (1 << 20)
+            free = shutil.disk_usage(fast.root).free
+            if free < need:
+                fast.discard(step)
+                raise TieredError(f"{fast.root}: {format_size(free)} free, and the step may need up to "
+                                  f"{format_size(need)}")
+        except (TieredError, OSError) as exc:
+            other = self.catalog.get(self.config.tiers[1].name)
+            try:
+                other.begin_step(step)
+            except (TieredError, OSError) as exc2:
+                raise TieredError(f"step {step}: the fast tier {fast.name!r} cannot take it ({exc}), and neither can "
+                                  f"tier {other.name!r} ({exc2})") from None
+            if not self._falling_back:
+                log.warning("tiered: the fast tier %r cannot take step %d (%s): on_fast_tier_error is next_tier, so "
+                            "it and the next saves go to tier %r, through host memory, until the fast tier takes "
+                            "them again", fast.name, step, exc, other.name)
+            self._falling_back = True
+            return other
+        if self._falling_back:
+            log.warning("tiered: the fast tier %r takes saves again (from step %d)", fast.name, step)
+            self._falling_back = False
+        return fast
+
+    def save(self, step: int, state_dict: Any, *, rank_only: bool = False) -> SaveHandle:
+        """Stage `state_dict` and queue its writing. With `rank_only`, the writer stops after this
+        rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
+        save that commits the step once every rank's files are durable."""
+        t0 = time.perf_counter()
+        self.check(step)
+        with self._lock:
+            if step in self._inflight:
+                raise TieredError(f"step {step} is already being saved")
+        skeleton, leaves = tree.flatten(state_dict)
+        if rank_only:
+            self.tier.begin_rank(step, self.rank)
+            tier = self.tier
+        else:
+            tier = self._begin(step, leaves)
+        if tier is self.tier:
+            plan = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
+        else:  # through host memory, in a codec every machine decodes (the slower tiers are portable)
+            codec = self.config.tiers[1].codec
+            plan = make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
+                             gpu_codecs=False)
+        handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all), tier=tier.name,
+                            _reported=self._reported)
+        handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
+        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu), tier=tier, rank_only=rank_only)
+        with self._lock:
+            self._inflight[step] = handle
+        self._jobs.put(job)
+        events = []
+        try:
+            for index, plans in plan.gpu.items():
+                device = self.workers.device(index)
+                events.append(device.stage(plans, plan.tensors, job.segments.put, job.go.set))
+                handle.timings.update({f"cuda:{index}.{k}": v for k, v in device.timings.items()})
+            t1 = time.perf_counter()
+            cpu.snapshot(plan.cpu, plan.tensors, self.workers.host, self.config.chunk_size, job.segments.put, job.go.set)
+            handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
+        except BaseException as exc:
+            job.aborted = True
+            job.segments.put(_Abort(exc))
+            job.go.set()
+            raise
+        job.segments.put(_END)
+        job.go.set()
+        if tier is self.tier:
+            self.codec.after_save(plan, handle)
+        if events:
+            threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
+        else:
+            _settle(handle.staged, step)
+        handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def wait(self) -> None:
+        """Wait for every in-flight save to be persisted; raise the first background failure."""
+        while self._adopting:  # dcp.save's steps, committed on this node once rank 0 has
+            self._adopting.pop().join()
+        self.settle()
+        self.raise_failure()
+
+    def settle(self) -> None:
+        """Wait until every in-flight save is persisted or has failed; raise nothing."""
+        while True:
+            with self._lock:
+                pending = list(self._inflight.values())
+            if not pending:
+                return
+            for h in pending:
+                h.persisted.exception()
+
+    def close(self) -> None:
+        """Stop the writer once its queue is done, and join the pipeline's other threads."""
+        self.closed = True
+        self._jobs.put(None)
+        self._writer.join()
+        while self._adopting:
+            self._adopting.pop().join()
+        self.codec.join()
+
+    def _reported(self, exc: BaseException) -> None:
+        """A handle raised `exc` itself: the next save() or wait() does not raise it again."""
+        with self._lock:
+            if self._error is exc:
+                self._error = None
+
+    # --- the writer thread ----------------------------------------------------------------------
+    def _writer_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run_job(job)
+            del job
+
+    def _run_job(self, job: _Job) -> None:
+        try:
+            manifest = self._write(job)
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
+            _drain(job)
+            job.drop_tensors()
+            # Uncommitted: invisible anyway; frees the space.
+            job.tier.discard_rank(job.step, self.rank) if job.rank_only else job.tier.discard(job.step)
+            err = BackgroundSaveError(job.step, exc)
+            if not job.aborted:
+                log.error("tiered: %s", err)
+            with self._lock:
+                if not job.aborted:  # an aborted save() already raised its own error
+                    self._error = self._error or err
+                self._inflight.pop(job.step, None)
+            _settle(job.handle.staged, exc=err)
+            job.handle.persisted.set_exception(err)
+            return
+        job.drop_tensors()
+        if not job.rank_only:  # the migrator queues it before anyone can see the step persisted, so
+            self.notify_committed(job.step)  # wait_migrated() after wait() always covers it
+        with self._lock:
+            self._inflight.pop(job.step, None)
+        job.handle.persisted.set_result(manifest)
+
+    def _write(self, job: _Job) -> "Manifest | RankFiles":
+        """Write the job's rank files; then, unless it is rank_only, commit the step."""
+        files = self._write_rank(job)
+        if job.rank_only:
+            return files
+        manifest = Manifest(
+            step=job.step, world_size=self.world_size, ranks=(files.entry,), raw_bytes=files.raw_bytes,
+            stored_bytes=files.stored_bytes, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            writer=f"tiered {__version__}")
+        job.tier.commit(job.step, manifest.to_json())
+        log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
+                 "[%s]", job.step, "" if job.tier is self.tier else f" on tier {job.tier.name!r}",
+                 format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
+                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.index.io)
+        return manifest
+
+    def _write_rank(self, job: _Job) -> "RankFiles":
+        job.go.wait()
+        data_name = data_file_name(self.rank)
+        writer = job.tier.open_data_writer(job.step, data_name, device=job.device_io)
+        chunks: dict[int, list[ChunkRecord]] = {p.index: [] for p in job.plan.all}
+        order: list[int] = []
+        end = 0
+
+        def place(ref: Any, size: int, crc: int) -> int:
+            """Next aligned offset in the data file for chunk `ref`; records it."""
+            nonlocal end
+            offset = end
+            if not chunks[ref.plan.index]:
+                order.append(ref.plan.index)
+            chunks[ref.plan.index].append(ChunkRecord(offset, size, ref.raw_size, crc))
+            end += round_up(size, ALIGNMENT)
+            return offset
+
+        try:
+            while True:
+                seg = job.segments.get()
+                if seg is _END:
+                    job.staging_over = True
+                    break
+                if isinstance(seg, _Abort):
+                    job.staging_over = True
+                    raise TieredError(f"staging failed: {seg.exc!r}")
+                if isinstance(seg, cpu.RawSegment):
+                    try:
+                        encoded = cpu.encode_segment(seg, self.workers.pool, self.config.zstd)
+                    finally:
+                        seg.release()
+                    for ref, (padded, size, crc) in zip(seg.chunks, encoded):
+                        writer.write_host(place(ref, size, crc), padded)
+                else:
+                    try:
+                        _write_rows(seg, writer, place)
+                    finally:
+                        seg.release()
+            data_bytes = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        plans = {p.index: p for p in job.plan.all}
+        ordered = [i for i in plans if not chunks[i]] + order
+        index = RankIndex(
+            rank=self.rank, data_file=data_name, data_bytes=data_bytes, chunk_size=self.config.chunk_size,
+            skeleton=job.skeleton, io=writer.io_mode,
+            tensors=tuple(TensorRecord(index=i, name=plans[i].name, dtype=dtype_name(plans[i].dtype),
+                                       shape=plans[i].shape, device=plans[i].device,
+                                       is_numpy=plans[i].is_numpy, codec=plans[i].spec, chunks=tuple(chunks[i]))
+                          for i in ordered))
+        raw_index = index.to_json()
+        index_name = index_file_name(self.rank)
+        job.tier.write_file(job.step, index_name, raw_index)
+        return RankFiles(entry=RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name,
+                                         data_bytes),
+                         index=index, raw_bytes=job.handle.raw_bytes,
+                         stored_bytes=sum(c.size for cs in chunks.values() for c in cs))
+
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """One rank's durable files of a step, before the step is committed."""
+
+    entry: RankEntry
+    index: RankIndex
+    raw_bytes: int
+    stored_bytes: int
+
+
+def _write_rows(seg: Any, writer: Any, place: Any) -> None:
+    """Checksum a wave of compressed rows and write each row's aligned extent."""
+    sizes = seg.sizes()
+    if seg.on_gpu:
+        sums = seg.device.finish_rows(seg, sizes)
+        extents = [round_up(n, ALIGNMENT) for n in sizes]
+        # Chunks are placed end to end, so a run of rows is one extent of the file: gathered into
+        # a staging buffer on the GPU, it goes out as one large write (KvikIO splits it into tasks
+        # for its threads) instead of one write per chunk.
+        for i, k, buf, slot in seg.device.coalesce(seg, extents, writer):
+            offset = place(seg.chunks[i], sizes[i], sums[i])
+            for r in range(i + 1, k):
+                place(seg.chunks[r], sizes[r], sums[r])
+            seg.device.hold(slot, writer, writer.write_device(offset, buf))
+            if slot < 0:
+                writer.wait()  # written straight from the row, which goes back to the slab after this
+        return
+    seg.ready.synchronize()
+    rows = seg.rows.numpy()
+    for i, ref in enumerate(seg.chunks):
+        row, n = rows[i], sizes[i]
+        row[n:round_up(n, ALIGNMENT)] = 0
+        writer.write_host(place(ref, n, checksum.wsum64(row[:n])), memoryview(row[:round_up(n, ALIGNMENT)]))
+
+
+
+def _drain(job: _Job) -> None:
+    """After a failure: release every staged segment still coming, so save() never deadlocks."""
+    job.go.wait()
+    while not job.staging_over:
+        seg = job.segments.get()
+        if seg is _END or isinstance(seg, _Abort):
+            job.staging_over = True
+        else:
+            seg.release()
+
+
+def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve `fut` unless already resolved (save() and the writer race to settle `staged`)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _complete_after(events: Sequence[Any], fut: Future) -> None:
+    try:
+        for ev in events:
+            ev.synchronize()
+        _settle(fut, True)
+    except BaseException as exc:  # noqa: BLE001
+        _settle(fut, exc=exc)
+
