@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -47,6 +48,16 @@ def start(mode: str, cfg: str) -> subprocess.Popen:
                PYTHONPATH=os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, str(WORKER), mode, cfg], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
+
+
+def wait_started(proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Block until the saver has printed its first step: its engine is up and saving. The kill
+    clocks start there, not at process start, whose length varies from machine to machine (cold
+    imports, CUDA and KvikIO start-up on a fresh GPU machine took over 5 s and every kill of a
+    trial landed before the first save)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"the saver printed no step in {timeout:.0f} s"
+    proc.stdout.readline()  # b"" if it died first: kill_after reports how
 
 
 def kill_after(proc: subprocess.Popen, seconds: float) -> str:
@@ -104,11 +115,12 @@ def test_killed_saver_and_migrator_never_lose_or_tear_a_step(tmp_path, migration
     kills = 0
     for trial in range(TRIALS):
         saver = start("save", cfg)
+        wait_started(saver)
         if migration == "external":
-            time.sleep(rng.uniform(1.5, 4.0))
+            time.sleep(rng.uniform(0.0, 2.5))
             migrator = start("migrate", cfg)
             kills += kill_after(migrator, rng.uniform(0.0, 2.5)) == "killed"
-        kills += kill_after(saver, rng.uniform(1.0, 5.0)) == "killed"
+        kills += kill_after(saver, rng.uniform(0.0, 3.5)) == "killed"
         ledger.check()
     # A migrator run without kills finishes what the killed ones left: every step reaches the
     # shared tier, and retention trims the local one to its keep_last.

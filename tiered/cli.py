@@ -294,13 +294,13 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
         print(f"tiered migrate: another migrator (pid {lock.holder()}) holds {lock.path}", file=sys.stderr)
         return EXIT_FAILED
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: (log.info("tiered: stopping after the current step"), stop.set()))
-    gpu = make_gpu_recoder(config)
-    log.info("tiered: migrating %s%s (%s)", " -> ".join(catalog.names), ", following" if args.follow else "",
-             "GPU recompression" if gpu is not None else "CPU recompression")
+    previous = {sig: signal.signal(sig, lambda *_: (log.info("tiered: stopping after the current step"), stop.set()))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     failures = 0
     try:
+        gpu = make_gpu_recoder(config)
+        log.info("tiered: migrating %s%s (%s)", " -> ".join(catalog.names), ", following" if args.follow else "",
+                 "GPU recompression" if gpu is not None else "CPU recompression")
         if not args.full_speed:
             lower_priority()
         threads = (config.zstd.threads or None) if args.full_speed else background_threads()
@@ -334,6 +334,8 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
                     break
     finally:
         lock.release()
+        for sig, handler in previous.items():  # called as a function (tests, a host program): leave no handler behind
+            signal.signal(sig, handler)
     return EXIT_FAILED if failures and not args.follow else EXIT_OK
 
 
