@@ -9,13 +9,8 @@ writes ``rank_NNNNN.data`` and its index to its node-local tier; the coordinator
 metadata and the manifest last, once every rank's files are durable (tiered.dcp_commit; see
 docs/distributed.md).
 
-StorageWriter call order (DCP's): reset(step) -> set_up_storage_writer -> prepare_local_plan ->
-(coordinator) prepare_global_plan -> write_data -> (coordinator) finish.
-StorageReader call order: reset(step) -> read_metadata -> set_up_storage_reader ->
-prepare_local_plan -> (coordinator) prepare_global_plan -> read_data.
-
-The DCP metadata is stored as JSON (``dcp_metadata.json``, pinned by the manifest), never pickled.
-Loading with `SafeLoadPlanner` reads non-tensor values with torch.load(weights_only=True): no arbitrary objects.
+The call orders DCP follows, and how the metadata is kept (JSON, never pickled), are in
+tiered.dcp_storage, whose StepWriter and StepReader these classes extend for an Engine or a config.
 """
 
 from __future__ import annotations

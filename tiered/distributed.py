@@ -4,7 +4,7 @@ Save, on every rank (`DistributedSaver.save`):
 
     DCP's DefaultSavePlanner plans (gather the local plans to the coordinator, which removes
     duplicates of replicated tensors, scatter the final plans)    -- collectives on the default group
-    -> TieredStorageWriter.stage_items: this rank's items are staged as a single-process save stages
+    -> StepWriter.stage_items (tiered.dcp_storage): this rank's items are staged as a single-process save stages
        (GPU tensors compressed on their GPU); save() returns here
     background, in save order (one thread per engine):
     -> this rank's data file and index are durable on its node-local tier
