@@ -16,6 +16,8 @@ weights, so weights and Adam moments have real statistics. Then it measures, on 
 
     python scripts/bench.py                  # GPU, ~200M parameters
     python scripts/bench.py --device cpu     # CPU mode: small model, smoke test
+    python scripts/bench.py --scale 24 --free-gb 6   # scale mode (scripts/scale.py): a 24 GB state,
+                                                     # 6 GiB of GPU memory left free, side by side
 
 Results print as a table and go to --out as JSON. Numbers belong here, never in tests.
 """
@@ -48,12 +50,16 @@ def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: in
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = stdlib_corpus(64 << 20 if device == "cuda" else 4 << 20).to(device)
 
-    def step_fn() -> torch.Tensor:
+    def step_fn(before_update=None) -> torch.Tensor:
+        """One training step; `before_update()`, if given, runs between backward and optimizer.step
+        (where a checkpointer that overlaps the step must have finished reading the state)."""
         x, y = batch_of(data, ctx, batch)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=True):
             loss = F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if before_update is not None:
+            before_update()
         opt.step()
         return loss
 
@@ -221,6 +227,14 @@ def main() -> int:
     ap.add_argument("--dir", default="./.tiered/bench", help="local tier root (wiped)")
     ap.add_argument("--out", default=None, help="write results JSON here")
     ap.add_argument("--profile", action="store_true", help="print where the last warm save() call spent its time")
+    ap.add_argument("--scale", default=None, metavar="GB[,GB...]",
+                    help="scale mode (scripts/scale.py): per-GPU state sizes in GB, built from replicas of the "
+                         "trained state; runs instead of the usual bench")
+    ap.add_argument("--free-gb", type=float, default=6.0, help="scale mode: GPU memory left free by the ballast")
+    ap.add_argument("--saves", type=int, default=3, help="scale mode: saves per method (the first one cold)")
+    ap.add_argument("--window-steps", type=int, default=6, help="scale mode: training steps per measured window")
+    ap.add_argument("--methods", default="tiered,dcp_pinned,dcp_stager,torch_save",
+                    help="scale mode: which rows, in order")
     args = ap.parse_args()
     dev = args.device
     params = args.params or (200e6 if dev == "cuda" else 3e6)
@@ -240,6 +254,9 @@ def main() -> int:
     shutil.rmtree(root, ignore_errors=True)
 
     import baselines
+
+    if args.scale:
+        return scale_mode(args, state, step_fn, dev, root, results)
 
     results["ceilings"] = {"disk": baselines.disk_ceilings(root / "ceiling", (2 << 30) if dev == "cuda" else (256 << 20))}
     if dev == "cuda":
@@ -290,6 +307,36 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(results, indent=1))
     ok = all(results[c]["restore_bit_exact"] for c in codecs) and results.get("interop", {}).get("ok", True)
     return 0 if ok else 1
+
+
+def scale_mode(args, live: dict, step_fn, dev: str, root: Path, results: dict) -> int:
+    """Each size of --scale in turn (scripts/scale.py), then the tables; JSON to --out."""
+    import baselines
+    import scale
+
+    def ceilings(nbytes: int) -> dict:
+        out = {"disk": baselines.disk_ceilings(root / "ceiling", max(256 << 20, min(nbytes, 4 << 30)))}
+        shutil.rmtree(root / "ceiling", ignore_errors=True)
+        if dev == "cuda":
+            out["d2h_pinned_gbps"] = baselines.d2h_pinned_gbps()
+        return out
+
+    results["scale"] = []
+    for size in (float(x) for x in args.scale.split(",")):
+        out = scale.run_size(size, live, step_fn, dev, root, free_gb=args.free_gb, saves=args.saves,
+                             window_steps=args.window_steps, methods=args.methods.split(","),
+                             drop_caches=drop_caches, ceilings=ceilings,
+                             progress=lambda partial: args.out and Path(args.out).write_text(
+                                 json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
+        results["scale"].append(out)
+        scale.print_size(out)
+        if args.out:  # after each size: a later size that dies keeps the earlier ones
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    shutil.rmtree(root, ignore_errors=True)
+    exact = [r["restore_bit_exact"] for out in results["scale"] for r in out["rows"] if not r["error"]]
+    return 0 if exact and all(exact) else 1
 
 
 def interop(state, root: Path) -> dict:

@@ -1,0 +1,419 @@
+"""The scale mode of scripts/bench.py: a per-GPU state of 10-100 GB, GPU memory nearly full.
+
+    python scripts/bench.py --scale 24 --free-gb 6          # one size
+    python scripts/bench.py --scale 2.4,12,24 --free-gb 6   # how each cost grows with the state
+
+The state is built from the benchmark's trained GPT and its AdamW state: replica 0 is the live
+model and optimizer that keep training, replicas 1.. are clones of their tensors (real
+statistics, not random data) up to the requested size. A GPU memory ballast then leaves
+`--free-gb` free. Side by side, one method after another on the same state and disk:
+
+  tiered       Engine.save with the embedded default config (only the tier's path changed)
+  dcp_pinned   DCP async_save, one FileSystemWriter(cache_staged_state_dict=True) reused
+               (TorchTitan's pinned-memory mode; the copy to host happens inside the call)
+  dcp_stager   DCP async_save with DefaultStager(StagingOptions(use_async_staging=True)):
+               staging overlaps the next forward and backward and is waited for before the
+               optimizer step (a failure, e.g. on torch versions where it crashes, is reported)
+  torch_save   torch.save + fsync (synchronous)
+
+For each: the training stall as the loop feels it (the wall time of a window of real training
+steps, forward + backward + optimizer step, that contains one save, minus the median of the same
+window without a save), next to the save call's own time; time to durable (from the call until
+committed and fsync'd); stored bytes; GPU memory the method took (free GPU memory before its
+first save minus the least seen after) and host memory (growth of the process's resident set,
+pinned buffers included); the cold restore into the zeroed state, page cache dropped where
+permitted, checked bit-exact by a fingerprint of every tensor taken before zeroing. Same-run
+ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import tiered
+
+GiB = 1 << 30
+
+
+# --- the state -------------------------------------------------------------------------------
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    return obj
+
+
+def build_state(live: dict, target_bytes: int) -> dict:
+    """{"r0": live, "r1": clone, ...}: as many replicas as reach `target_bytes` (at least one)."""
+    one = sum(t.numel() * t.element_size() for t in tensors_of(live))
+    replicas = max(1, round(target_bytes / one))
+    return {f"r{i}": live if i == 0 else clone_tree(live) for i in range(replicas)}
+
+
+def fingerprint(state: dict) -> list[tuple[int, int]]:
+    """Per tensor: the sum of its 32-bit words (or bytes) and of every other word, on its device."""
+    out = []
+    for t in tensors_of(state):
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+        out.append((int(words.sum(dtype=torch.int64)), int(words[1::2].sum(dtype=torch.int64))))
+    return out
+
+
+def zero_(state: dict) -> None:
+    for t in tensors_of(state):
+        t.zero_()
+
+
+# --- measuring -------------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpu_free(device: str) -> int:
+    return torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+
+
+def rss() -> int:
+    """The process's resident set (pinned host buffers count once touched)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Window:
+    """Runs `steps` training steps; a save may be started before one of them."""
+
+    def __init__(self, step_fn: Callable[..., Any], device: str, steps: int):
+        self.step_fn, self.device, self.steps = step_fn, device, steps
+
+    def run(self, save: Callable[[], Any] | None = None, before_update: Callable[[Any], Any] | None = None,
+            at: int = 0) -> tuple[float, float, Any]:
+        """(window seconds, save call seconds, what `save` returned). The save starts before step
+        `at`; `before_update(result)`, if given, runs before that step's optimizer update."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        call, result = 0.0, None
+        for i in range(self.steps):
+            hook = None
+            if save is not None and i == at:
+                t1 = time.perf_counter()
+                result = save()
+                call = time.perf_counter() - t1
+                if before_update is not None:
+                    hook = lambda r=result: before_update(r)  # noqa: E731
+            self.step_fn(before_update=hook)
+        sync(self.device)
+        return time.perf_counter() - t0, call, result
+
+    def baseline(self, n: int = 3) -> float:
+        return statistics.median(self.run()[0] for _ in range(n))
+
+
+class Row:
+    """What one method measured, summarised like the rest of docs/benchmarks.md."""
+
+    def __init__(self, name: str, note: str = ""):
+        self.name, self.note = name, note
+        self.saves: list[dict] = []
+        self.gpu_taken = self.host_taken = 0
+        self.stored = 0
+        self.restore_s: float | None = None
+        self.exact: bool | None = None
+        self.error: str | None = None
+
+    def add(self, base: float, window: float, call: float, durable: float, gpu_min_free: int, gpu_free0: int,
+            rss_now: int, rss0: int) -> None:
+        self.saves.append({"stall_ms": round(1e3 * (window - base), 1), "call_ms": round(1e3 * call, 1),
+                           "durable_s": round(durable, 2)})
+        self.gpu_taken = max(self.gpu_taken, gpu_free0 - gpu_min_free)
+        self.host_taken = max(self.host_taken, rss_now - rss0)
+
+    def summary(self) -> dict:
+        warm = self.saves[1:] or self.saves
+
+        def stats(key: str) -> dict | None:
+            vals = [s[key] for s in warm]
+            return None if not vals else {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+        return {"name": self.name, "note": self.note, "error": self.error, "saves": self.saves,
+                "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
+                "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"), "stored_bytes": self.stored,
+                "gpu_taken_bytes": self.gpu_taken, "host_taken_bytes": self.host_taken,
+                "restore_s": self.restore_s, "restore_bit_exact": self.exact}
+
+
+def _done_at(fut: Any) -> list[float]:
+    """A one-element list that receives the time `fut` completes (a concurrent or torch future)."""
+    box: list[float] = []
+    fut.add_done_callback(lambda _: box.append(time.perf_counter()))
+    return box
+
+
+def measure(row: Row, state: dict, window: Window, base: float, saves: int, save: Callable[[int], Any],
+            durable: Callable[[Any], float], device: str,
+            before_update: Callable[[Any], Any] | None = None) -> list[tuple[int, int]]:
+    """`saves` windows, one save each, at the window's start: stall, call, durable (`durable(result)`
+    waits for it and returns when it completed), memory. Returns the fingerprint of the state the
+    last save was handed (taken just before its window: training then changes the state while the
+    save runs, so a restore that matches it shows the snapshot held)."""
+    free0, rss0 = gpu_free(device), rss()
+    low = free0
+    for k in range(saves):
+        t_call = [0.0]
+
+        def start(k=k):
+            t_call[0] = time.perf_counter()
+            return save(k + 1)
+
+        if k == saves - 1:
+            prints = fingerprint(state)
+        secs, call, result = window.run(start, before_update)
+        low = min(low, gpu_free(device))
+        done = durable(result)
+        low = min(low, gpu_free(device))
+        row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
+        print(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
+              f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s", flush=True)
+    return prints
+
+
+def dir_bytes(root: Path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches: Callable[[], bool],
+                  load: Callable[[], None]) -> None:
+    zero_(state)
+    drop_caches()
+    sync(device)
+    t0 = time.perf_counter()
+    load()
+    sync(device)
+    row.restore_s = round(time.perf_counter() - t0, 2)
+    row.exact = fingerprint(state) == prints
+
+
+# --- the methods -----------------------------------------------------------------------------
+def run_tiered(state, window, base, saves, root, device, drop_caches) -> Row:
+    row = Row("tiered", "Engine.save, embedded default config")
+    cfg = tiered.load_config(None)
+    doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(root)}]}
+    with tiered.Engine.from_config(doc) as engine:
+        handles: dict[int, Any] = {}
+
+        def save(step: int):
+            for old in engine.steps():  # one copy on the disk at a time
+                shutil.rmtree(root / f"step_{old:012d}", ignore_errors=True)
+            h = engine.save(step, state)
+            handles[step] = (h, _done_at(h.persisted))
+            return step
+
+        def durable(step: int) -> float:
+            h, box = handles[step]
+            h.wait()
+            while not box:
+                time.sleep(0.001)
+            return box[0]
+
+        prints = measure(row, state, window, base, saves, save, durable, device)
+        last = engine.latest_step()
+        row.stored = engine.read_index(last)[0].stored_bytes
+        restore_check(row, state, prints, device, drop_caches, lambda: engine.restore(state, step=last))
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def _dcp_row(name: str, note: str, state, window, base, saves, root, device, drop_caches, stager: Any) -> Row:
+    import torch.distributed.checkpoint as dcp
+
+    row = Row(name, note)
+    # The pinned cache needs an accelerator: CPU mode (a smoke test) stages into plain memory.
+    writer = dcp.FileSystemWriter(str(root / "0"), cache_staged_state_dict=stager is None and device == "cuda")
+    pending: dict[int, Any] = {}
+
+    def save(step: int):
+        shutil.rmtree(root / str(step - 1), ignore_errors=True)
+        kwargs = {"async_stager": stager} if stager is not None else {}
+        resp = dcp.async_save(state, checkpoint_id=str(root / str(step)), storage_writer=writer, **kwargs)
+        fut = getattr(resp, "upload_completion", resp)
+        pending[step] = (fut, _done_at(fut))
+        return (step, resp)
+
+    def durable(result) -> float:
+        fut, box = pending[result[0]]
+        fut.result()
+        while not box:
+            time.sleep(0.001)
+        return box[0]
+
+    def staged(result) -> None:  # the optimizer step waits for the stager to have copied the state
+        resp = result[1]
+        if hasattr(resp, "staging_completion"):
+            resp.staging_completion.result()
+
+    prints = measure(row, state, window, base, saves, save, durable, device, staged if stager is not None else None)
+    last = root / str(saves)
+    row.stored = dir_bytes(last)
+    restore_check(row, state, prints, device, drop_caches, lambda: dcp.load(state, checkpoint_id=str(last)))
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def run_dcp_pinned(state, window, base, saves, root, device, drop_caches) -> Row:
+    return _dcp_row("dcp_pinned", "async_save, one FileSystemWriter(cache_staged_state_dict=True) reused", state,
+                    window, base, saves, root, device, drop_caches, None)
+
+
+def run_dcp_stager(state, window, base, saves, root, device, drop_caches) -> Row:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=device == "cuda", use_shared_memory=False,
+                                          use_async_staging=True, use_non_blocking_copy=device == "cuda"))
+    try:
+        return _dcp_row("dcp_stager", "async_save + DefaultStager(use_async_staging=True), waited for before "
+                        "optimizer.step", state, window, base, saves, root, device, drop_caches, stager)
+    finally:
+        stager.close()
+
+
+def run_torch_save(state, window, base, saves, root, device, drop_caches) -> Row:
+    row = Row("torch_save", "torch.save + fsync: synchronous")
+    root.mkdir(parents=True, exist_ok=True)
+
+    def save(step: int):
+        path = root / "state.pt"
+        torch.save(state, path)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        return time.perf_counter()
+
+    prints = measure(row, state, window, base, saves, save, lambda done: done, device)
+    path = root / "state.pt"
+    row.stored = path.stat().st_size
+
+    def load() -> None:
+        loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        for dst, src in zip(tensors_of(state), tensors_of(loaded)):
+            dst.copy_(src)
+
+    restore_check(row, state, prints, device, drop_caches, load)
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+METHODS = {"tiered": run_tiered, "dcp_pinned": run_dcp_pinned, "dcp_stager": run_dcp_stager,
+           "torch_save": run_torch_save}
+
+
+# --- one size --------------------------------------------------------------------------------
+def run_size(size_gb: float, live: dict, step_fn, device: str, root: Path, *, free_gb: float, saves: int,
+             window_steps: int, methods: list[str], drop_caches, ceilings: Callable[[int], dict],
+             progress: Callable[[dict], None] = lambda out: None) -> dict:
+    """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
+    state = build_state(live, int(size_gb * 1e9))
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
+    ballast = None
+    step_fn()  # activations and gradients allocated before the ballast is sized
+    sync(device)
+    if device == "cuda":
+        free = gpu_free(device)
+        want = free - int(free_gb * GiB)
+        if want > 0:
+            ballast = torch.empty(want, dtype=torch.uint8, device=device)
+    out: dict = {"state_gb": round(state_bytes / 1e9, 2), "tensors": len(tensors_of(state)),
+                 "replicas": len(state), "gpu_free_gb": round(gpu_free(device) / GiB, 2)}
+    print(f"# scale {size_gb} GB: {out}", flush=True)
+    out["ceilings"] = ceilings(min(state_bytes, 8 << 30))
+    print(f"# ceilings: {out['ceilings']}", flush=True)
+    window = Window(step_fn, device, window_steps)
+    out["window_ms"] = round(1e3 * window.baseline(), 1)
+    rows = []
+    for name in methods:
+        base = window.baseline()
+        try:
+            row = METHODS[name](state, window, base, saves, root / name, device, drop_caches)
+        except Exception as exc:  # noqa: BLE001 - reported as the row's result, honestly
+            row = Row(name)
+            row.error = f"{type(exc).__name__}: {exc}"[:400]
+            print(f"#   {name} FAILED: {row.error}", flush=True)
+            shutil.rmtree(root / name, ignore_errors=True)
+        rows.append(row.summary())
+        out["rows"] = rows
+        progress(out)
+    out["targets"] = targets(out)
+    del ballast
+    return out
+
+
+def targets(out: dict) -> dict:
+    """Issue 14's targets, from this size's rows."""
+    rows = {r["name"]: r for r in out["rows"]}
+    t, disk = rows.get("tiered"), out["ceilings"].get("disk", {})
+    if not t or t["error"] or not t["warm_stall_ms"]:
+        return {}
+    stall = t["warm_stall_ms"]["median"]
+    dcp = rows.get("dcp_pinned")
+    res = {"stall <= 50 ms": (stall <= 50, f"{stall} ms")}
+    if dcp and dcp["warm_stall_ms"]:
+        res["stall <= DCP pinned / 10"] = (stall <= dcp["warm_stall_ms"]["median"] / 10,
+                                           f"{stall} vs {dcp['warm_stall_ms']['median']} ms")
+    if disk.get("write_gbps") and disk.get("read_gbps"):
+        bound = 1.15 * t["stored_bytes"] / (disk["write_gbps"] * 1e9)
+        res["durable <= 1.15 x stored / write ceiling"] = (t["warm_durable_s"]["median"] <= bound,
+                                                           f"{t['warm_durable_s']['median']} s vs {bound:.2f} s")
+        if t["restore_s"] is not None:
+            bound = 1.15 * t["stored_bytes"] / (disk["read_gbps"] * 1e9)
+            res["restore <= 1.15 x stored / read ceiling"] = (t["restore_s"] <= bound, f"{t['restore_s']} s vs {bound:.2f} s")
+    if t["first"]:
+        res["first save stalls no more than a warm one"] = (t["first"]["stall_ms"] <= max(1.2 * stall, stall + 20),
+                                                           f"{t['first']['stall_ms']} vs {stall} ms")
+    return {k: {"met": bool(ok), "measured": got} for k, (ok, got) in res.items()}
+
+
+def print_size(out: dict) -> None:
+    print(f"\n## scale: {out['state_gb']} GB state ({out['tensors']} tensors, {out['replicas']} replicas), "
+          f"{out['gpu_free_gb']} GiB GPU memory free, window of training steps {out['window_ms']} ms")
+    c = out["ceilings"]
+    disk = c.get("disk", {})
+    print(f"ceilings: O_DIRECT write {disk.get('write_gbps')} GB/s, read {disk.get('read_gbps')} GB/s"
+          + (f", pinned D2H {c['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in c else ""))
+    print("| method | stall ms warm median (range) | first save stall ms | call ms warm median | durable s warm median "
+          "(range) | stored GB | GPU taken GB | host taken GB | cold restore s | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in out["rows"]:
+        if r["error"]:
+            print(f"| {r['name']} | FAILED: {r['error']} | | | | | | | | |")
+            continue
+        s, d, cm = r["warm_stall_ms"], r["warm_durable_s"], r["warm_call_ms"]
+        print(f"| {r['name']} | {s['median']} ({s['min']}–{s['max']}) | {r['first']['stall_ms']} | {cm['median']} | "
+              f"{d['median']} ({d['min']}–{d['max']}) | {r['stored_bytes'] / 1e9:.2f} | {r['gpu_taken_bytes'] / 1e9:.2f} | "
+              f"{r['host_taken_bytes'] / 1e9:.2f} | {r['restore_s']} | {r['restore_bit_exact']} |")
+    if out["targets"]:
+        print("\n| target (tiered, default config) | met | measured |\n|---|---|---|")
+        for k, v in out["targets"].items():
+            print(f"| {k} | {'yes' if v['met'] else 'MISSED'} | {v['measured']} |")
