@@ -157,7 +157,7 @@ class Row:
 
         def stats(key: str) -> dict | None:
             vals = [s[key] for s in warm]
-            return None if not vals else {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+            return None if not vals else {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
 
         return {"name": self.name, "note": self.note, "error": self.error, "saves": self.saves,
                 "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
@@ -174,12 +174,14 @@ def _done_at(fut: Any) -> list[float]:
 
 
 def measure(row: Row, state: dict, window: Window, base: float, saves: int, save: Callable[[int], Any],
-            durable: Callable[[Any], float], device: str,
+            durable: Callable[[Any], float], device: str, drop: Callable[[int], None],
             before_update: Callable[[Any], Any] | None = None) -> list[tuple[int, int]]:
     """`saves` windows, one save each, at the window's start: stall, call, durable (`durable(result)`
-    waits for it and returns when it completed), memory. Returns the fingerprint of the state the
-    last save was handed (taken just before its window: training then changes the state while the
-    save runs, so a restore that matches it shows the snapshot held)."""
+    waits for it and returns when it completed), memory. `drop(step)` deletes an older step once
+    the next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
+    no method's stall should carry), so one copy at a time is kept on the disk. Returns the
+    fingerprint of the state the last save was handed (taken just before its window: training
+    then changes the state while the save runs, so a restore that matches it shows the snapshot held)."""
     free0, rss0 = gpu_free(device), rss()
     low = free0
     for k in range(saves):
@@ -196,6 +198,8 @@ def measure(row: Row, state: dict, window: Window, base: float, saves: int, save
         done = durable(result)
         low = min(low, gpu_free(device))
         row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
+        if k:
+            drop(k)
         print(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
               f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s", flush=True)
     return prints
@@ -226,8 +230,6 @@ def run_tiered(state, window, base, saves, root, device, drop_caches) -> Row:
         handles: dict[int, Any] = {}
 
         def save(step: int):
-            for old in engine.steps():  # one copy on the disk at a time
-                shutil.rmtree(root / f"step_{old:012d}", ignore_errors=True)
             h = engine.save(step, state)
             handles[step] = (h, _done_at(h.persisted))
             return step
@@ -239,7 +241,8 @@ def run_tiered(state, window, base, saves, root, device, drop_caches) -> Row:
                 time.sleep(0.001)
             return box[0]
 
-        prints = measure(row, state, window, base, saves, save, durable, device)
+        prints = measure(row, state, window, base, saves, save, durable, device,
+                         lambda step: shutil.rmtree(root / f"step_{step:012d}", ignore_errors=True))
         last = engine.latest_step()
         row.stored = engine.read_index(last)[0].stored_bytes
         restore_check(row, state, prints, device, drop_caches, lambda: engine.restore(state, step=last))
@@ -256,7 +259,6 @@ def _dcp_row(name: str, note: str, state, window, base, saves, root, device, dro
     pending: dict[int, Any] = {}
 
     def save(step: int):
-        shutil.rmtree(root / str(step - 1), ignore_errors=True)
         kwargs = {"async_stager": stager} if stager is not None else {}
         resp = dcp.async_save(state, checkpoint_id=str(root / str(step)), storage_writer=writer, **kwargs)
         fut = getattr(resp, "upload_completion", resp)
@@ -275,7 +277,9 @@ def _dcp_row(name: str, note: str, state, window, base, saves, root, device, dro
         if hasattr(resp, "staging_completion"):
             resp.staging_completion.result()
 
-    prints = measure(row, state, window, base, saves, save, durable, device, staged if stager is not None else None)
+    prints = measure(row, state, window, base, saves, save, durable, device,
+                     lambda step: shutil.rmtree(root / str(step), ignore_errors=True),
+                     staged if stager is not None else None)
     last = root / str(saves)
     row.stored = dir_bytes(last)
     restore_check(row, state, prints, device, drop_caches, lambda: dcp.load(state, checkpoint_id=str(last)))
@@ -305,15 +309,16 @@ def run_torch_save(state, window, base, saves, root, device, drop_caches) -> Row
     root.mkdir(parents=True, exist_ok=True)
 
     def save(step: int):
-        path = root / "state.pt"
+        path = root / f"{step}.pt"
         torch.save(state, path)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
         return time.perf_counter()
 
-    prints = measure(row, state, window, base, saves, save, lambda done: done, device)
-    path = root / "state.pt"
+    prints = measure(row, state, window, base, saves, save, lambda done: done, device,
+                     lambda step: (root / f"{step}.pt").unlink(missing_ok=True))
+    path = root / f"{saves}.pt"
     row.stored = path.stat().st_size
 
     def load() -> None:
