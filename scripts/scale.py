@@ -222,8 +222,7 @@ def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches:
 
 
 # --- the methods -----------------------------------------------------------------------------
-def run_tiered(state, window, base, saves, root, device, drop_caches) -> Row:
-    row = Row("tiered", "Engine.save, embedded default config")
+def run_tiered(row: Row, state, window, base, saves, root, device, drop_caches) -> None:
     cfg = tiered.load_config(None)
     doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(root)}]}
     with tiered.Engine.from_config(doc) as engine:
@@ -247,13 +246,11 @@ def run_tiered(state, window, base, saves, root, device, drop_caches) -> Row:
         row.stored = engine.read_index(last)[0].stored_bytes
         restore_check(row, state, prints, device, drop_caches, lambda: engine.restore(state, step=last))
     shutil.rmtree(root, ignore_errors=True)
-    return row
 
 
-def _dcp_row(name: str, note: str, state, window, base, saves, root, device, drop_caches, stager: Any) -> Row:
+def _dcp_row(row: Row, state, window, base, saves, root, device, drop_caches, stager: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    row = Row(name, note)
     # The pinned cache needs an accelerator: CPU mode (a smoke test) stages into plain memory.
     writer = dcp.FileSystemWriter(str(root / "0"), cache_staged_state_dict=stager is None and device == "cuda")
     pending: dict[int, Any] = {}
@@ -284,28 +281,24 @@ def _dcp_row(name: str, note: str, state, window, base, saves, root, device, dro
     row.stored = dir_bytes(last)
     restore_check(row, state, prints, device, drop_caches, lambda: dcp.load(state, checkpoint_id=str(last)))
     shutil.rmtree(root, ignore_errors=True)
-    return row
 
 
-def run_dcp_pinned(state, window, base, saves, root, device, drop_caches) -> Row:
-    return _dcp_row("dcp_pinned", "async_save, one FileSystemWriter(cache_staged_state_dict=True) reused", state,
-                    window, base, saves, root, device, drop_caches, None)
+def run_dcp_pinned(row: Row, state, window, base, saves, root, device, drop_caches) -> None:
+    _dcp_row(row, state, window, base, saves, root, device, drop_caches, None)
 
 
-def run_dcp_stager(state, window, base, saves, root, device, drop_caches) -> Row:
+def run_dcp_stager(row: Row, state, window, base, saves, root, device, drop_caches) -> None:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(use_pinned_memory=device == "cuda", use_shared_memory=False,
                                           use_async_staging=True, use_non_blocking_copy=device == "cuda"))
     try:
-        return _dcp_row("dcp_stager", "async_save + DefaultStager(use_async_staging=True), waited for before "
-                        "optimizer.step", state, window, base, saves, root, device, drop_caches, stager)
+        _dcp_row(row, state, window, base, saves, root, device, drop_caches, stager)
     finally:
         stager.close()
 
 
-def run_torch_save(state, window, base, saves, root, device, drop_caches) -> Row:
-    row = Row("torch_save", "torch.save + fsync: synchronous")
+def run_torch_save(row: Row, state, window, base, saves, root, device, drop_caches) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
     def save(step: int):
@@ -328,11 +321,14 @@ def run_torch_save(state, window, base, saves, root, device, drop_caches) -> Row
 
     restore_check(row, state, prints, device, drop_caches, load)
     shutil.rmtree(root, ignore_errors=True)
-    return row
 
 
-METHODS = {"tiered": run_tiered, "dcp_pinned": run_dcp_pinned, "dcp_stager": run_dcp_stager,
-           "torch_save": run_torch_save}
+METHODS = {
+    "tiered": (run_tiered, "Engine.save, embedded default config"),
+    "dcp_pinned": (run_dcp_pinned, "async_save, one FileSystemWriter(cache_staged_state_dict=True) reused"),
+    "dcp_stager": (run_dcp_stager, "async_save + DefaultStager(use_async_staging=True), waited for before optimizer.step"),
+    "torch_save": (run_torch_save, "torch.save + fsync: synchronous"),
+}
 
 
 # --- one size --------------------------------------------------------------------------------
@@ -360,10 +356,11 @@ def run_size(size_gb: float, live: dict, step_fn, device: str, root: Path, *, fr
     rows = []
     for name in methods:
         base = window.baseline()
+        fn, note = METHODS[name]
+        row = Row(name, note)
         try:
-            row = METHODS[name](state, window, base, saves, root / name, device, drop_caches)
-        except Exception as exc:  # noqa: BLE001 - reported as the row's result, honestly
-            row = Row(name)
+            fn(row, state, window, base, saves, root / name, device, drop_caches)
+        except Exception as exc:  # noqa: BLE001 - reported as the row's result (with the saves it made), honestly
             row.error = f"{type(exc).__name__}: {exc}"[:400]
             print(f"#   {name} FAILED: {row.error}", flush=True)
             shutil.rmtree(root / name, ignore_errors=True)
@@ -412,7 +409,9 @@ def print_size(out: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
         if r["error"]:
-            print(f"| {r['name']} | FAILED: {r['error']} | | | | | | | | |")
+            done = "; ".join(f"save {i + 1}: stall {x['stall_ms']} ms, durable {x['durable_s']} s"
+                             for i, x in enumerate(r["saves"]))
+            print(f"| {r['name']} | FAILED: {r['error']}{f' (after {done})' if done else ''} | | | | | | | | |")
             continue
         s, d, cm = r["warm_stall_ms"], r["warm_durable_s"], r["warm_call_ms"]
         print(f"| {r['name']} | {s['median']} ({s['min']}–{s['max']}) | {r['first']['stall_ms']} | {cm['median']} | "
