@@ -1,9 +1,9 @@
 """Command line: `tiered-restore` for cold starts, `tiered ls | verify | gc | migrate | restore`.
 
 Every command reads the cluster YAML given with --config (default: the embedded configs/local.yaml)
-and works on its tiers through the same `TierCatalog` as `Engine.steps()`; none of them needs a GPU unless a step must be recompressed from
-a GPU-only codec (ans). Exit status: 0 success, 1 the work failed (nothing restorable, damage
-found, a copy failed), 2 bad usage or config.
+and works on its tiers through the same `TierCatalog` as `Engine.steps()`; none of them needs a
+GPU unless a step must be recompressed from a GPU-only codec (ans). Exit status: 0 success, 1 the
+work failed (nothing restorable, damage found, a copy failed), 2 bad usage or config.
 """
 
 from __future__ import annotations
