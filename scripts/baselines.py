@@ -250,7 +250,9 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
     import tiered
     from tiered.migrator import migrate_step
 
-    client = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
+    # A session of its own: boto3's default session keeps the first keys it read, and each call
+    # of s3_vs_boto3 starts a server with new ones.
+    client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
     client.create_bucket(Bucket="bench")
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / "local"), "codec": "zstd"},
                      {"name": "s3", "kind": "s3", "bucket": "bench", "prefix": "tiered",
@@ -258,10 +260,14 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
            "migration": "external"}
     with tiered.Engine.from_config(cfg) as engine:
         manifest = engine.save(1, state).wait()
-        t0 = time.perf_counter()
+        engine.save(2, state).wait()
+        # Step 1 warms the S3 client up (botocore loads its service model and opens connections on
+        # the first calls), as the bench's boto3 client was by create_bucket; step 2 is timed.
         migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None)
+        t0 = time.perf_counter()
+        migrate_step(2, engine.get_tier("local"), engine.get_tier("s3"), codec=None)
         t_tiered = time.perf_counter() - t0
-    data = root / "local" / "step_000000000001" / "rank_00000.data"
+    data = root / "local" / "step_000000000002" / "rank_00000.data"
     t0 = time.perf_counter()
     client.upload_file(str(data), "bench", "plain/rank_00000.data",
                        Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
@@ -269,4 +275,5 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
     n = data.stat().st_size
     return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
             "stored_bytes": manifest.stored_bytes,
-            "note": "tiered: the whole step (data, index, manifest, checksums verified); boto3: the data file"}
+            "note": "tiered: the whole step (data, index, manifest, checksums verified), the second one migrated; "
+                    "boto3: the data file"}

@@ -200,7 +200,7 @@ def test_migration_failure_keeps_the_step_is_reported_and_retried(tmp_path, monk
 
     works = posix.PosixTier.open_data_writer
 
-    def broken(self, step, name, device):
+    def broken(self, step, name, device, size_hint=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(posix.PosixTier, "open_data_writer", broken)

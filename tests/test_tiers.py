@@ -192,6 +192,24 @@ class TestS3Tier(TierContract):
         tier.discard(2)  # as after a crash: nothing committed, the upload is cleaned up
         assert not tier.client.list_multipart_uploads(Bucket=tier.bucket).get("Uploads")
 
+    def test_a_size_hint_splits_a_small_object_into_parallel_parts(self, s3_server, s3_bucket):
+        from tiered.tiers.s3 import S3Tier
+
+        # 64 MiB parts by default: without the hint a 17 MB file would go out as one PUT at close.
+        tier = S3Tier("s3", s3_bucket, "hinted", endpoint_url=s3_server.endpoint_url, region="us-east-1",
+                      max_concurrency=4)
+        calls: list[str] = []
+        tier.client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+        data = os.urandom(17 * 1024 * 1024 + 12345)
+        tier.begin_step(1)
+        w = tier.open_data_writer(1, "rank_00000.data", device=False, size_hint=len(data))
+        for off in range(0, len(data), 1 << 20):  # in 1 MiB pieces, as a migration writes windows
+            w.write_host(off, memoryview(data)[off:off + (1 << 20)])
+        assert w.close() == len(data)
+        assert calls.count("UploadPart") == 4 and "CompleteMultipartUpload" in calls and "PutObject" not in calls
+        got = tier.client.get_object(Bucket=tier.bucket, Key="hinted/step_000000000001/rank_00000.data")["Body"].read()
+        assert got == data
+
     def test_wrong_credentials_fail_fast_with_a_clear_message(self, s3_server, s3_bucket, monkeypatch):
         from tiered.tiers.s3 import S3Tier
 
@@ -207,6 +225,20 @@ class TestS3Tier(TierContract):
         tier = S3Tier("s3", "no-such-bucket-here", endpoint_url=s3_server.endpoint_url, region="us-east-1")
         with pytest.raises(TieredError, match="NoSuchBucket: the bucket does not exist"):
             tier.steps()
+
+
+@pytest.mark.parametrize("hint, part_size, concurrency, expected", [
+    (None, 64 << 20, 8, 64 << 20),                # no hint: the tier's part size
+    (0, 64 << 20, 8, 64 << 20),
+    (34_000_000, 64 << 20, 8, 5 * 1024 * 1024),   # small: S3's 5 MiB minimum, 7 parts in flight
+    (300 << 20, 64 << 20, 8, 38 << 20),           # 8 parts in flight, whole MiB
+    (10 << 30, 64 << 20, 8, 64 << 20),            # large: never over the tier's part size
+    (3 << 20, 64 << 20, 8, 5 * 1024 * 1024),      # under one part: one PUT at close anyway
+])
+def test_s3_part_size_follows_the_object(hint, part_size, concurrency, expected):
+    from tiered.tiers.s3 import part_size_for
+
+    assert part_size_for(hint, part_size, concurrency) == expected
 
 
 def test_make_tier_from_example_config(tmp_path):

@@ -153,7 +153,8 @@ def _summary(ranks: list[int]) -> str:
 
 def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
     reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
-    writer = dst.open_data_writer(step, index.data_file, device=False)
+    # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
+    writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
     end = 0
     records = []
     try:

@@ -4,7 +4,7 @@ Call order for writing one step (the commit rule: the manifest is the last thing
 step without one does not exist for any reader):
 
     tier.begin_step(step)                         # refuses a committed step; clears uncommitted debris
-    w = tier.open_data_writer(step, name)         # per rank: chunk data, append-only, aligned extents
+    w = tier.open_data_writer(step, name, device, size_hint)  # per rank: chunk data, append-only, aligned extents
     w.write_host(offset, buf) / w.write_device(offset, tensor)
     w.close()                                     # waits for pending writes, fsyncs
     tier.write_file(step, index_name, bytes)      # per rank: index, durable before the manifest
@@ -100,7 +100,10 @@ class Tier(Protocol):
     def probe_bandwidth(self, nbytes: int) -> float:
         """Bytes/s of writing `nbytes` as a data file is written, to a scratch file removed after."""
 
-    def open_data_writer(self, step: int, name: str, device: bool) -> DataWriter: ...
+    def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> DataWriter:
+        """`size_hint`: about how many bytes will be written, where the caller knows (a migration
+        does); a tier may size its requests by it (S3's part size). Never a limit."""
+        ...
 
     def write_file(self, step: int, name: str, data: bytes) -> None: ...
 

@@ -442,7 +442,7 @@ class LocalTier:
             block.close()
             path.unlink(missing_ok=True)
 
-    def open_data_writer(self, step: int, name: str, device: bool) -> LocalDataWriter:
+    def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> LocalDataWriter:
         return LocalDataWriter(self.step_dir(step) / name, self.direct_io, device)
 
     def write_file(self, step: int, name: str, data: bytes) -> None:

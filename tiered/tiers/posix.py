@@ -21,7 +21,7 @@ class PosixTier(LocalTier):
     def __repr__(self) -> str:
         return f"PosixTier({self.name!r}, {str(self.root)!r})"
 
-    def open_data_writer(self, step: int, name: str, device: bool) -> LocalDataWriter:
+    def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> LocalDataWriter:
         if device:
             raise TieredError(f"tier {self.name!r} (shared filesystem) writes from host memory only")
         return super().open_data_writer(step, name, False)

@@ -54,9 +54,12 @@ class S3DataWriter:
 
     io_mode = "s3-multipart"
 
-    def __init__(self, tier: "S3Tier", key: str):
-        self.tier, self.key = tier, key
-        self._buf = bytearray()
+    def __init__(self, tier: "S3Tier", key: str, part_size: int):
+        self.tier, self.key, self.part_size = tier, key, part_size
+        self._buf = bytearray(part_size)
+        """The part being filled: its first `_fill` bytes. Handed to the upload as it is when full
+        (one copy per byte, from the caller's buffer into the part), and a new one started."""
+        self._fill = 0
         self._end = 0
         self._upload_id: str | None = None
         self._parts: list[Future] = []
@@ -66,17 +69,21 @@ class S3DataWriter:
         if offset != self._end:
             raise TieredError(f"{self.tier.url(self.key)}: S3 data files are written in order "
                               f"(write at {offset}, expected {self._end})")
-        self._buf += buf
-        self._end += len(buf)
-        while len(self._buf) >= self.tier.part_size:
-            part = bytes(self._buf[:self.tier.part_size])
-            del self._buf[:self.tier.part_size]
-            self._submit(part)
+        src = memoryview(buf).cast("B")
+        self._end += len(src)
+        while len(src):
+            n = min(len(src), self.part_size - self._fill)
+            self._buf[self._fill:self._fill + n] = src[:n]
+            self._fill += n
+            src = src[n:]
+            if self._fill == self.part_size:
+                part, self._buf, self._fill = self._buf, bytearray(self.part_size), 0
+                self._submit(part)
 
     def write_device(self, offset: int, buf: Any) -> None:
         raise TieredError(f"tier {self.tier.name!r} (S3) writes from host memory only")
 
-    def _submit(self, part: bytes) -> None:
+    def _submit(self, part: bytes | bytearray) -> None:
         s3 = self.tier.client
         if self._upload_id is None:
             try:
@@ -103,16 +110,17 @@ class S3DataWriter:
     def close(self) -> int:
         s3 = self.tier.client
         try:
-            if self._upload_id is None and not self._buf:
+            tail = memoryview(self._buf)[:self._fill]
+            if self._upload_id is None and not self._fill:
                 # No chunks (the rank's state has no tensor bytes): the index records data_bytes 0
                 # and readers never open the file, so no object is needed. (SeaweedFS also stalls
                 # the next request on a connection that carried an empty-body PUT.)
                 return 0
             if self._upload_id is None:
-                s3.put_object(Bucket=self.tier.bucket, Key=self.key, Body=bytes(self._buf))
+                s3.put_object(Bucket=self.tier.bucket, Key=self.key, Body=bytes(tail))
             else:
-                if self._buf:
-                    self._submit(bytes(self._buf))
+                if self._fill:
+                    self._submit(bytes(tail))
                 parts = [f.result() for f in self._parts]
                 s3.complete_multipart_upload(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id,
                                              MultipartUpload={"Parts": parts})
@@ -122,7 +130,7 @@ class S3DataWriter:
         except Exception as exc:  # noqa: BLE001
             self.abort()
             raise _client_error(exc, f"{self.tier.url(self.key)}: upload failed") from None
-        self._buf = bytearray()
+        self._buf, self._fill = bytearray(), 0
         return self._end
 
     def abort(self) -> None:
@@ -171,6 +179,18 @@ class S3DataReader:
 
     def close(self) -> None:
         pass
+
+
+def part_size_for(size_hint: int | None, part_size: int, concurrency: int) -> int:
+    """The part size for an object of about `size_hint` bytes: small enough that it goes out as up
+    to `concurrency` parts in flight at once (a 34 MB step as seven 5 MiB parts, not as one PUT
+    after the whole file is read), never under S3's 5 MiB minimum nor over the tier's `part_size`.
+    Without a hint: `part_size`."""
+    if not size_hint or size_hint <= 0:
+        return part_size
+    want = -(-size_hint // max(1, concurrency))
+    want = -(-want // (1 << 20)) * (1 << 20)  # whole MiB
+    return max(_MIN_PART, min(part_size, want))
 
 
 def _code(exc: Exception) -> str:
@@ -321,7 +341,7 @@ class S3Tier:
         key = "/".join(p for p in (self.prefix, f".tiered-probe-{os.getpid()}") if p)
         block = memoryview(os.urandom(min(nbytes, 16 << 20)))
         t0 = time.perf_counter()
-        writer = S3DataWriter(self, key)
+        writer = S3DataWriter(self, key, part_size_for(nbytes, self.part_size, self.max_concurrency))
         try:
             for offset in range(0, nbytes, len(block)):
                 writer.write_host(offset, block)
@@ -334,10 +354,11 @@ class S3Tier:
             except Exception:  # noqa: BLE001 - a stray probe object is harmless
                 pass
 
-    def open_data_writer(self, step: int, name: str, device: bool) -> S3DataWriter:
+    def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> S3DataWriter:
         if device:
             raise TieredError(f"tier {self.name!r} (S3) writes from host memory only")
-        return S3DataWriter(self, self._key(step, safe_name(name, self.root, "data file")))
+        return S3DataWriter(self, self._key(step, safe_name(name, self.root, "data file")),
+                            part_size_for(size_hint, self.part_size, self.max_concurrency))
 
     def write_file(self, step: int, name: str, data: bytes) -> None:
         key = self._key(step, safe_name(name, self.root, "file name"))
