@@ -272,8 +272,24 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
     client.upload_file(str(data), "bench", "plain/rank_00000.data",
                        Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
     t_boto = time.perf_counter() - t0
+    # Downloads: tiered-restore's copy S3 -> a local tier (the second step, warm), against boto3's
+    # download_file with the same piece size and concurrency as tiered's ranged GETs.
+    from tiered.tiers import LocalTier
+    from tiered.tiers.s3 import READ_PIECE
+
+    with tiered.Engine.from_config(cfg) as engine:
+        back = LocalTier("back", root / "back")
+        migrate_step(1, engine.get_tier("s3"), back, codec=None)
+        t0 = time.perf_counter()
+        migrate_step(2, engine.get_tier("s3"), back, codec=None)
+        t_tiered_down = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    client.download_file("bench", "plain/rank_00000.data", str(root / "plain.data"),
+                         Config=TransferConfig(multipart_chunksize=READ_PIECE, max_concurrency=8))
+    t_boto_down = time.perf_counter() - t0
     n = data.stat().st_size
     return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
+            "tiered_down_mbps": round(n / t_tiered_down / 1e6, 1), "boto3_down_mbps": round(n / t_boto_down / 1e6, 1),
             "stored_bytes": manifest.stored_bytes,
             "note": "tiered: the whole step (data, index, manifest, checksums verified), the second one migrated; "
                     "boto3: the data file"}

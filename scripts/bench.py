@@ -404,7 +404,8 @@ def print_table(results: dict) -> None:
     if results.get("s3"):
         x = results["s3"]
         print(f"\nS3 upload, same bytes, same server (local SeaweedFS): tiered {x['tiered_mbps']} MB/s, "
-              f"plain boto3 multipart {x['boto3_mbps']} MB/s ({x['bytes'] / 1e6:.1f} MB; {x['note']})")
+              f"plain boto3 multipart {x['boto3_mbps']} MB/s; download: tiered {x['tiered_down_mbps']} MB/s, boto3 "
+              f"{x['boto3_down_mbps']} MB/s ({x['bytes'] / 1e6:.1f} MB; {x['note']})")
     elif "s3" in results:
         print("\nS3 upload comparison skipped: needs boto3 and SeaweedFS's `weed` (pip install 'tiered[demo]')")
     for m in results.get("migration", ()):

@@ -40,7 +40,7 @@ from tiered.format import (MAX_INDEX_BYTES, ChunkRecord, CodecSpec, Manifest, Ra
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.runtime import gpu_stack_available
-from tiered.tiers import device_reader
+from tiered.tiers import WholeFileReader, device_reader
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
@@ -151,8 +151,16 @@ def _summary(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 8 else f"{ranks[:8]}... ({len(ranks)} ranks)"
 
 
+PREFETCH_BYTES = 64 << 20
+"""A source data file up to this size is read whole at once (S3: in parallel ranged GETs)."""
+
+
 def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
     reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
+    # (Not where a GPU decodes chunks: those it reads into GPU memory itself.)
+    if reader is not None and reader.size <= PREFETCH_BYTES and all(
+            get_codec_class(t.codec.name).cpu_capable for t in index.tensors if t.chunks):
+        reader = WholeFileReader(reader)
     # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
     writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
     end = 0

@@ -1,8 +1,9 @@
 """S3 tier: one object per file, under ``s3://bucket/prefix/step_<12 digits>/``.
 
-Data files are uploaded as parallel multipart uploads while they are written (parts of
-`part_size`, at most `max_concurrency` in flight: bounded memory); reads are ranged GETs, so a
-reader fetches only the chunks it needs. An empty data file is not uploaded at all (its index
+Data files are uploaded as parallel multipart uploads while they are written (parts sized to the
+object where its size is known, at most `part_size`; at most `max_concurrency` in flight: bounded
+memory); reads are ranged GETs, so a reader fetches only the chunks it needs, and a large range
+goes out as parallel GETs of `READ_PIECE` bytes. An empty data file is not uploaded at all (its index
 says `data_bytes: 0`, and readers do not open it). S3 has no rename: the manifest is the **last** object
 written, and a step without one does not exist. Credentials come only from the standard AWS
 chain (environment, shared config and `profile`, instance or pod role); they are never read from
@@ -24,6 +25,8 @@ from tiered.tiers.base import committed_error
 
 log = logging.getLogger("tiered")
 _MIN_PART = 5 * 1024 * 1024  # S3's minimum for every part but the last
+READ_PIECE = 8 * 1024 * 1024
+"""Bytes per ranged GET when a large range is read in parallel pieces."""
 
 
 def _boto3() -> Any:
@@ -158,10 +161,27 @@ class S3DataReader:
             raise _client_error(exc, f"{self.path}: cannot read") from None
 
     def read_host(self, offset: int, size: int) -> memoryview:
+        """Bytes [offset, offset + size): one ranged GET, or for a large range (a window of chunks
+        being restored or migrated) pieces of `READ_PIECE` bytes fetched in parallel, up to the
+        tier's `max_concurrency` at once, into one buffer."""
         if offset + size > self.size:
             raise TieredError(f"{self.path}: object is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
         if size == 0:
             return memoryview(b"")
+        if size < 2 * READ_PIECE or self.tier.max_concurrency < 2:
+            return memoryview(self._get_range(offset, size))
+        out = bytearray(size)
+
+        def piece(start: int) -> None:
+            n = min(READ_PIECE, size - start)
+            out[start:start + n] = self._get_range(offset + start, n)
+
+        futures = [self.tier.read_pool.submit(piece, start) for start in range(0, size, READ_PIECE)]
+        for f in futures:
+            f.result()
+        return memoryview(out)
+
+    def _get_range(self, offset: int, size: int) -> bytes:
         try:
             body = self.tier.client.get_object(Bucket=self.tier.bucket, Key=self.key,
                                                Range=f"bytes={offset}-{offset + size - 1}")["Body"].read()
@@ -169,7 +189,7 @@ class S3DataReader:
             raise _client_error(exc, f"{self.path}: ranged read failed") from None
         if len(body) != size:
             raise TieredError(f"{self.path}: ranged read returned {len(body)} bytes, expected {size}")
-        return memoryview(body)
+        return body
 
     def read_device_async(self, offset: int, size: int, out: Any) -> Any:
         raise TieredError(f"tier {self.tier.name!r} (S3) reads into host memory only")
@@ -220,6 +240,8 @@ class S3Tier:
             retries={"max_attempts": max_attempts, "mode": "adaptive"}, connect_timeout=timeout,
             read_timeout=timeout, max_pool_connections=max(10, 2 * max_concurrency)))
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3-{name}")
+        # Reads get a pool of their own: a restore's ranged GETs never queue behind uploads.
+        self.read_pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3r-{name}")
         self.root = self.url("")
 
     def __repr__(self) -> str:
