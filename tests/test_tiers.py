@@ -210,6 +210,25 @@ class TestS3Tier(TierContract):
         got = tier.client.get_object(Bucket=tier.bucket, Key="hinted/step_000000000001/rank_00000.data")["Body"].read()
         assert got == data
 
+    def test_a_large_range_is_read_as_parallel_pieces_exactly(self, tier):
+        from tiered.tiers import WholeFileReader
+        from tiered.tiers.s3 import READ_PIECE
+
+        calls: list[str] = []
+        data = os.urandom(2 * READ_PIECE + 3 * 4096 + 17)  # three pieces, the last a short one
+        tier.begin_step(1)
+        w = tier.open_data_writer(1, "rank_00000.data", device=False, size_hint=len(data))
+        w.write_host(0, memoryview(data))
+        w.close()
+        tier.client.meta.events.register("before-call.s3.GetObject", lambda **_: calls.append("get"))
+        r = tier.open_data_reader(1, "rank_00000.data", device=False)
+        assert bytes(r.read_host(4096, len(data) - 4096 - 5)) == data[4096:-5]
+        assert len(calls) == 3
+        whole = WholeFileReader(tier.open_data_reader(1, "rank_00000.data", device=False))
+        assert bytes(whole.read_host(123, 4567)) == data[123:123 + 4567] and whole.size == len(data)
+        with pytest.raises(TieredError, match="truncated"):
+            whole.read_host(len(data) - 10, 11)
+
     def test_wrong_credentials_fail_fast_with_a_clear_message(self, s3_server, s3_bucket, monkeypatch):
         from tiered.tiers.s3 import S3Tier
 
