@@ -89,17 +89,24 @@ class TierCatalog:
         steps = self.steps(tier)
         return steps[-1] if steps else None
 
-    def restore_order(self, step: int | None, tier: str | None = None) -> tuple[int, list[Tier]]:
+    def restore_order(self, step: int | None, tier: str | None = None, *,
+                      committed: dict[str, list[int] | None] | None = None) -> tuple[int, list[Tier]]:
         """The step to read (default: the newest on any tier, or on `tier`) and the tiers that hold
         it committed, fastest first (from `tier` on, when one is named): the first is read, the
-        others stand in for its damaged chunks and files (tiered.restore)."""
+        others stand in for its damaged chunks and files (tiered.restore). `committed`: a listing
+        of every tier the caller already made (`committed()`), so the tiers are not listed twice.
+        Raises CheckpointNotFoundError when nothing (or not `step`) is committed there."""
         names = self.names
         if tier is not None:
             self.get(tier)  # names the known tiers when `tier` is not one
             names = names[names.index(tier):]
-        # A single named tier is listed directly, so that a failure to list it is the error raised.
-        committed: dict[str, list[int] | None] = {tier: self.get(tier).steps()} \
-            if tier is not None and len(names) == 1 else self.committed(names)
+        if committed is not None:
+            committed = {n: committed.get(n) for n in names}
+        elif tier is not None and len(names) == 1:
+            # A single named tier is listed directly, so that a failure to list it is the error raised.
+            committed = {tier: self.get(tier).steps()}
+        else:
+            committed = self.committed(names)
         held = {n: set(steps) for n, steps in committed.items() if steps is not None}
         where = (f"tier {names[0]!r} ({self.get(names[0]).root})" if len(names) == 1 else
                  "any tier (" + ", ".join(f"{n}: {self.get(n).root}" for n in names) + ")")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from tiered.catalog import TierCatalog
 from tiered.config import load_config
-from tiered.errors import ConfigError, TieredError
+from tiered.errors import CheckpointNotFoundError, ConfigError, TieredError
 from tiered.format import present_ranks, read_pinned, read_step
 from tiered.restore import verify_step
 from tiered.units import format_rate, format_size
@@ -91,21 +91,19 @@ def _parse_step(text: str) -> int | None:
 # --- tiered-restore ------------------------------------------------------------------------
 def cmd_restore(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from tiered.migrator import migrate_step
-    from tiered.policy import latest_restorable
 
     committed = catalog.committed()
-    held = {n: set(s) for n, s in committed.items() if s is not None}
-    step = args.step if args.step is not None else latest_restorable(held)
     listing = "\n".join(f"  {catalog.describe(n)}: "
                         f"{'unreachable' if s is None else (', '.join(map(str, s[-8:])) or 'no steps')}"
                         for n, s in committed.items())
-    if step is None:
-        print(f"tiered-restore: nothing restorable: no tier holds a committed checkpoint\n{listing}", file=sys.stderr)
+    try:
+        step, order = catalog.restore_order(args.step, committed=committed)
+    except CheckpointNotFoundError:
+        why = "nothing restorable: no tier holds a committed checkpoint" if args.step is None else \
+            f"step {args.step} is not committed on any tier"
+        print(f"tiered-restore: {why}\n{listing}", file=sys.stderr)
         return EXIT_FAILED
-    sources = [n for n in catalog.names if step in held.get(n, ())]
-    if not sources:
-        print(f"tiered-restore: step {step} is not committed on any tier\n{listing}", file=sys.stderr)
-        return EXIT_FAILED
+    sources = [t.name for t in order]
     if args.verify_only:
         return verify_steps(catalog, [(sources[0], step)], quick=False, show=not args.quiet)
     to = args.to or catalog.names[0]
