@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 import tiered
+from baselines import dir_bytes
 
 GiB = 1 << 30
 
@@ -203,10 +204,6 @@ def measure(row: Row, state: dict, window: Window, base: float, saves: int, save
         print(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
               f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s", flush=True)
     return prints
-
-
-def dir_bytes(root: Path) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
 
 
 def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches: Callable[[], bool],
