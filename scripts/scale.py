@@ -111,22 +111,21 @@ class Window:
     def __init__(self, step_fn: Callable[..., Any], device: str, steps: int):
         self.step_fn, self.device, self.steps = step_fn, device, steps
 
-    def run(self, save: Callable[[], Any] | None = None, before_update: Callable[[Any], Any] | None = None,
-            at: int = 0) -> tuple[float, float, Any]:
-        """(window seconds, save call seconds, what `save` returned). The save starts before step
-        `at`; `before_update(result)`, if given, runs before that step's optimizer update."""
+    def run(self, save: Callable[[], Any] | None = None,
+            before_update: Callable[[Any], Any] | None = None) -> tuple[float, float, Any]:
+        """(window seconds, save call seconds, what `save` returned). The save starts the window;
+        `before_update(result)`, if given, runs before the first step's optimizer update."""
         sync(self.device)
         t0 = time.perf_counter()
-        call, result = 0.0, None
-        for i in range(self.steps):
-            hook = None
-            if save is not None and i == at:
-                t1 = time.perf_counter()
-                result = save()
-                call = time.perf_counter() - t1
-                if before_update is not None:
-                    hook = lambda r=result: before_update(r)  # noqa: E731
+        call, result, hook = 0.0, None, None
+        if save is not None:
+            result = save()
+            call = time.perf_counter() - t0
+            if before_update is not None:
+                hook = lambda r=result: before_update(r)  # noqa: E731
+        for _ in range(self.steps):
             self.step_fn(before_update=hook)
+            hook = None
         sync(self.device)
         return time.perf_counter() - t0, call, result
 
