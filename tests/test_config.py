@@ -29,7 +29,7 @@ def test_example_cluster_config():
     assert isinstance(shared, PosixTierConfig) and shared.portable and shared.codec == "auto"
     assert shared.keep_last == 10 and shared.keep_every == 5000 and s3.codec == "zstd"
     assert isinstance(s3, S3TierConfig) and s3.bucket == "my-team-checkpoints" and s3.region == "us-east-1"
-    assert cfg.budgets.gpu_buffer == 8 * 2**30 and cfg.chunk_size == 2**20
+    assert cfg.budgets.gpu_buffer is None and cfg.budgets.host_buffer is None and cfg.chunk_size == 2**20
     assert s3.max_attempts == 10 and s3.timeout == 60.0 and s3.part_size == 64 * 2**20
 
 

@@ -106,9 +106,9 @@ def test_row_ring_fifo_wraps_and_blocks():
     dict(sizes=[], pack=1, rows=1, expected=[]),
 ])
 def test_wave_bounds(case):
-    from tiered.gpu import _wave_bounds
+    from tiered.gpu_layout import wave_bounds
 
-    assert _wave_bounds(case["sizes"], case["pack"], case["rows"]) == case["expected"]
+    assert wave_bounds(case["sizes"], case["pack"], case["rows"]) == case["expected"]
 
 
 def test_row_ring_on_block_called_only_when_waiting():
@@ -125,10 +125,10 @@ def test_row_ring_on_block_called_only_when_waiting():
 
 def test_file_runs_group_chunks_that_lie_end_to_end():
     from tiered.format import ChunkRecord
-    from tiered.gpu import _file_runs
+    from tiered.gpu_layout import file_runs
 
     c = [ChunkRecord(0, 5000, 1 << 20, 0), ChunkRecord(8192, 100, 1 << 20, 0), ChunkRecord(12288, 4096, 1 << 20, 0),
          ChunkRecord(40960, 1, 10, 0), ChunkRecord(0, 5000, 1 << 20, 0)]
     # extents are 4 KiB aligned: 8192, 4096, 4096, 4096, 8192
-    assert _file_runs(c) == [(0, 16384, [0, 1, 2]), (40960, 4096, [3]), (0, 8192, [4])]
-    assert _file_runs([]) == []
+    assert file_runs(c) == [(0, 16384, [0, 1, 2]), (40960, 4096, [3]), (0, 8192, [4])]
+    assert file_runs([]) == []

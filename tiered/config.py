@@ -34,12 +34,14 @@ _MAX_CHUNK = 64 * 1024 * 1024
 class Budgets:
     """Memory the engine may hold between `save()` returning and the bytes being durable."""
 
-    gpu_buffer: int = 4 * 1024**3
-    """Compressed chunks held on each GPU until written (one slab, reused across saves)."""
+    gpu_buffer: int | None = None
+    """Compressed chunks held on each GPU until written (one slab, reused across saves).
+    None (``auto``): sized at the first save from free GPU memory (tiered.budgets)."""
     pack_buffer: int = 256 * 1024**2
     """GPU buffer in which tensors are packed for one batched codec call (reused)."""
-    host_buffer: int = 8 * 1024**3
-    """Host memory: pinned spill of compressed GPU chunks plus snapshots of CPU tensors."""
+    host_buffer: int | None = None
+    """Host memory: compressed GPU chunks drained off the GPU plus snapshots of CPU tensors.
+    None (``auto``): sized from the host's available memory at start-up (tiered.budgets)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,12 @@ class _Fields:
         except ValueError as exc:
             raise self.error(key, str(exc)) from None
 
+    def size_or_auto(self, key: str) -> int | None:
+        """A size, or None for ``auto`` (the default)."""
+        if self.get(key, AUTO) == AUTO:
+            return None
+        return self.size(key, 0)
+
     def finish(self) -> None:
         unknown = sorted(str(k) for k in self.data if k not in self.seen)
         if unknown:
@@ -246,13 +254,13 @@ def _parse(data: object, source: str) -> Config:
 def _parse_budgets(data: object, source: str, chunk_size: int) -> Budgets:
     f = _Fields(data, source, "budgets")
     d = Budgets()
-    b = Budgets(gpu_buffer=f.size("gpu_buffer", d.gpu_buffer),
+    b = Budgets(gpu_buffer=f.size_or_auto("gpu_buffer"),
                 pack_buffer=f.size("pack_buffer", d.pack_buffer),
-                host_buffer=f.size("host_buffer", d.host_buffer))
+                host_buffer=f.size_or_auto("host_buffer"))
     f.finish()
     for name in ("gpu_buffer", "pack_buffer", "host_buffer"):
         # Smallest workable budget: a few chunks, so that waves still make progress.
-        if getattr(b, name) < 4 * chunk_size:
+        if getattr(b, name) is not None and getattr(b, name) < 4 * chunk_size:
             raise f.error(name, f"must hold at least 4 chunks ({4 * chunk_size} bytes), got {getattr(b, name)}")
     return b
 

@@ -44,9 +44,8 @@ def snapshot(plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], host:
     if not chunks:
         return
     total = sum(c.raw_size for c in chunks)
-    host.reserve(total + 16 * host.page)  # slack: each wave rounds up to whole pages
-    assert host.ring is not None
-    capacity = host.ring.rows * host.page
+    host.want(total + 16 * host.page)  # slack: each wave rounds up to whole pages
+    capacity = host.max_run_bytes  # one run of the ring: the pool, or one pinned block of it
     # One wave when it all fits; otherwise quarters of the pool, so copying overlaps writing.
     limit = capacity - 16 * host.page if total + 16 * host.page <= capacity else max(chunk_size, capacity // 4)
     waves: list[list[ChunkRef]] = [[]]

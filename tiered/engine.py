@@ -136,12 +136,48 @@ class Engine:
         later work on that stream (the training loop's) cannot change what is saved. Work on
         other streams must wait for ``handle.staged`` first. CPU tensors are copied before return.
         Raises the failure of an earlier save's background work, if any, before starting.
+        After `guard(optimizer)`, it returns before the state has been read instead (see there).
         """
         with self._api_lock:
             if self._distributed():
                 self.saves.check(step)
                 return self._dist.save(step, state_dict)
             return self.saves.save(step, state_dict)
+
+    def guard(self, optimizer: Any) -> Any:
+        """Overlap saves with the next forward and backward, in one line for the common loop.
+
+        From now on `save()` returns at once: the state is read on a side stream (another thread
+        issues the work) while training runs on, and `optimizer.step()` first makes its stream
+        wait until that is done, since the optimizer step is what changes parameters and
+        optimizer state. Anything else in the state (buffers, an EMA copy) is cloned when
+        `save()` is called (tiered.overlap; beyond a limit the save is strict, logged once).
+        A loop that changes guarded tensors other than through `optimizer.step()` calls
+        `order_updates()` first. Returns a guard whose `remove()` makes saves strict again.
+        """
+        return self.saves.guard(optimizer)
+
+    def reserve(self, state: Any) -> None:
+        """Start pinning host staging memory for saves of `state` (a state dict, or its size in
+        bytes) now, in the background, rather than during the first save that needs it.
+
+        Where CUDA is in use, a save whose compressed state does not fit the GPU slab drains
+        through pinned host memory, which is pinned as saves first need it (~0.3-0.5 s per GB, at
+        most `budgets.host_buffer`). That first save waits for it; calling this once at start-up,
+        once the state exists (an optimizer that creates its state at its first step: after it),
+        keeps that wait off the first save. A no-op without CUDA."""
+        if not isinstance(state, int):
+            state = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in tree.flatten(state)[1])
+        self.workers.host.want(state)
+
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait until the host staging memory wanted so far is pinned; True once it is."""
+        return self.workers.host.wait_pinned(timeout)
+
+    def order_updates(self) -> None:
+        """Order the current CUDA streams after every guarded save's reads of the state (what a
+        guarded optimizer does before each step)."""
+        self.saves.order_updates()
 
     def _distributed(self) -> bool:
         """torch.distributed runs with several ranks: saves and restores go through DCP (tiered.distributed)."""

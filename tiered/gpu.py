@@ -3,12 +3,16 @@
 Save, per device, in waves that fit the pack buffer and the slab (all on a side stream that
 first waits for the training stream):
 
-    pack tensors (chunk-aligned pieces) -> codec.encode_batch into slab rows -> [spill to pinned]
+    pack tensors (chunk-aligned pieces) -> codec.encode_batch into slab rows
 
-After the last pack the training stream waits on an event: from then on training may overwrite
-its tensors, because the compressed copy in the slab *is* the snapshot. `save()` returns without
-waiting for the GPU at all. The background writer later reads the compressed sizes, zeroes each
-row past its chunk, checksums the rows on the GPU, and hands row prefixes to KvikIO.
+After the last pack the training stream waits on an event (or, with `Engine.guard`, the next
+optimizer step does): from then on training may overwrite its tensors, because the compressed
+copy *is* the snapshot. `save()` returns without waiting for the GPU at all. The background
+writer later reads the compressed sizes, zeroes each row past its chunk, checksums the rows on
+the GPU, gathers runs of rows end to end, and either hands them to KvikIO (the state fits the
+slab) or drains them into pinned host memory, compacted (only compressed bytes cross PCIe) and
+written from there in large requests on several threads, so the slab is free again at the
+speed of the copy, not of the disk (a state larger than the slab).
 
 Restore reads each chunk's aligned extent with KvikIO straight into slab rows, verifies the
 checksums on the GPU, decodes one batch per codec, and unpacks into the destination tensors.
@@ -18,6 +22,7 @@ Imported only when CUDA is in use.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,17 +30,20 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from tiered.budgets import auto_gpu_buffer
 from tiered.checksum import to_u64, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
 from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
-from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
+from tiered.gpu_layout import PACK_ALIGN, Layout, bytes_of, file_runs, wave_bounds
+from tiered.plan import ChunkRef, TensorPlan
 from tiered.staging import HostPool, RowRing
 from tiered.tiers.local import drain_quietly, wait_futures
-from tiered.units import round_up
+from tiered.units import format_size, round_up
 
-_PACK_ALIGN = 256
+log = logging.getLogger("tiered")
+
 _CHECKSUM_ROWS = 64
 _WRITE_STAGING = 64 << 20
 """Bytes per coalesced write (two such GPU buffers per device): 4 KvikIO tasks of 16 MiB; less
@@ -50,15 +58,16 @@ def write_staging_bytes(gpu_buffer: int) -> int:
 
 @dataclass
 class RowsSegment:
-    """A wave of compressed chunks, one per row, in GPU slab rows or (spilled) pinned host rows."""
+    """A wave of compressed chunks, one per row of the GPU slab."""
 
     chunks: list[ChunkRef]
     pendings: list[tuple[PendingSizes, int]]
     rows: torch.Tensor
     ready: torch.cuda.Event
     release: Callable[[], None]
-    on_gpu: bool
     device: "GpuDevice"
+    drain: bool = False
+    """The save needs these rows again: the writer drains them through pinned host memory."""
 
     def sizes(self) -> list[int]:
         # Wait through torch (it releases the GIL) before asking nvCOMP, whose wait may not.
@@ -73,10 +82,6 @@ class RowsSegment:
                 raise RuntimeError(f"codec returned {len(got)} sizes for {n} chunks")
             out.extend(got)
         return out
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
 
 
 @dataclass
@@ -94,11 +99,12 @@ class GpuDevice:
     _ring: RowRing | None = field(default=None, init=False)
     _stride: int = field(default=0, init=False)
     _pack: torch.Tensor | None = field(default=None, init=False)
-    _layout: "_Layout | None" = field(default=None, init=False)
+    _layout: "Layout | None" = field(default=None, init=False)
     _staging: list[torch.Tensor] | None = field(default=None, init=False)
     _busy: list[Any] = field(default_factory=lambda: [None, None], init=False)
     _next_slot: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _warned: set = field(default_factory=set, init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
     """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
 
@@ -111,7 +117,20 @@ class GpuDevice:
     def device(self) -> torch.device:
         return torch.device("cuda", self.index)
 
-    def _ensure(self, specs: Sequence[Any]) -> None:
+    def budget(self, need: int, others: int, minimum: int, what: str) -> int:
+        """GPU bytes for `what`: budgets.gpu_buffer, or (auto) sized from the memory free now for a
+        need of `need` bytes, `others` bytes of other buffers and at least `minimum` (logged once)."""
+        if self.budgets.gpu_buffer is not None:
+            return self.budgets.gpu_buffer
+        free = torch.cuda.mem_get_info(self.index)[0]
+        choice = auto_gpu_buffer(need, free, others, minimum)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.info("tiered: cuda:%d: budgets.gpu_buffer auto: %s for %s (%s); set budgets.gpu_buffer to change it",
+                     self.index, format_size(choice.nbytes), what, choice.why)
+        return choice.nbytes
+
+    def _ensure(self, specs: Sequence[Any], nchunks: int) -> None:
         stride = round_up(max(get_codec(s, self.zstd).max_stored_size(self.chunk_size) for s in specs), ALIGNMENT)
         with self._lock:
             if self._slab is not None and stride <= self._stride:
@@ -119,8 +138,10 @@ class GpuDevice:
             if self._ring is not None:
                 # A codec with a larger bound appeared: wait until nothing is in flight, then regrow.
                 self._ring.acquire(self._ring.rows)
-            rows = max(4, self.budgets.gpu_buffer // stride)
             self._slab = None
+            wave_rows = self.budgets.pack_buffer // self.chunk_size + 1
+            others = (0 if self._pack is not None else self.budgets.pack_buffer) + 2 * _WRITE_STAGING
+            rows = max(4, self.budget(nchunks * stride, others, 2 * wave_rows * stride, "the save slab") // stride)
             self._slab = torch.empty(rows * stride, dtype=torch.uint8, device=self.device)
             self._stride, self._ring = stride, RowRing(rows)
             if self._pack is None:
@@ -128,35 +149,45 @@ class GpuDevice:
 
     # --- save --------------------------------------------------------------------------
     def stage(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor],
-              emit: Callable[[RowsSegment], None], on_block: Callable[[], None]) -> torch.cuda.Event:
+              emit: Callable[[RowsSegment], None], on_block: Callable[[], None],
+              after: torch.cuda.Event | None = None) -> torch.cuda.Event:
         """Pack and compress `plans` (all on this device; their tensors are `tensors[plan.index]`)
         into slab rows, emitting segments.
 
-        Returns the event after which the tensors may change; the current stream waits on it.
-        `on_block` is called before waiting for rows that the background writer must free.
+        Returns the event after which the tensors may change. Without `after`, the work follows
+        the current stream, and the current stream waits on that event. With `after` (an event
+        recorded by the training stream when save() was called, for a save staged on another
+        thread), the work follows `after` and nothing waits: the caller orders its updates
+        after the returned event itself. `on_block` is called before waiting for rows that the
+        background writer must free.
         """
         with torch.cuda.device(self.index), torch.no_grad():
-            return self._stage(plans, tensors, emit, on_block)
+            return self._stage(plans, tensors, emit, on_block, after)
 
-    def _stage(self, plans, tensors, emit, on_block) -> torch.cuda.Event:
+    def _stage(self, plans, tensors, emit, on_block, after) -> torch.cuda.Event:
         clock = time.perf_counter
-        t = {"layout_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "spill_ms": 0.0}
+        t = {"layout_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "emit_ms": 0.0}
         self.timings = t
         t0 = clock()
         if not any(p.nbytes for p in plans):
-            return _recorded(torch.cuda.current_stream(self.device))
-        self._ensure({p.spec for p in plans})
+            return after if after is not None else _recorded(torch.cuda.current_stream(self.device))
+        self._ensure({p.spec for p in plans}, sum(p.nchunks for p in plans))
         ring, stride, pack = self._ring, self._stride, self._pack
         assert ring is not None and pack is not None
         layout = self._layout
         if layout is None or not layout.fits(plans, pack, ring.rows, stride):
-            layout = self._layout = _Layout.build(plans, pack, ring.rows, stride, self.chunk_size, self.zstd)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            layout = self._layout = Layout.build(plans, pack, ring.rows, stride, self.chunk_size, self.zstd)
+        if after is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.stream.wait_event(after)
         for p in plans:
             tensors[p.index].record_stream(self.stream)
         t["layout_ms"] = 1e3 * (clock() - t0)
-        if layout.nchunks > ring.rows:
-            self.host.reserve((layout.nchunks - ring.rows + len(layout.waves[0].chunks)) * stride)
+        drain = layout.nchunks > ring.rows
+        if drain:  # (raw bytes bound what drains: many small tensors fill a fraction of their rows)
+            self._plan_drain(min((layout.nchunks - ring.rows) * self.chunk_size, sum(p.nbytes for p in plans)),
+                             ring.rows * stride)
         remaining = layout.nchunks
         reads_done = None
         contiguous: dict[int, torch.Tensor] = {}
@@ -176,35 +207,34 @@ class GpuDevice:
                             for codec, a, b in wave.groups]
             t4 = clock()
             remaining -= n
-            seg = RowsSegment(wave.chunks, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
-                              on_gpu=True, device=self)
-            if remaining and ring.free_rows() < min(remaining, ring.rows):
-                seg = self._maybe_spill(seg, ring, start)
-            emit(seg)
+            emit(RowsSegment(wave.chunks, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
+                             device=self, drain=drain))
             t["wait_rows_ms"] += 1e3 * (t2 - t1)
             t["pack_ms"] += 1e3 * (t3 - t2)
             t["encode_ms"] += 1e3 * (t4 - t3)
-            t["spill_ms"] += 1e3 * (clock() - t4)
+            t["emit_ms"] += 1e3 * (clock() - t4)
         assert reads_done is not None
-        torch.cuda.current_stream(self.device).wait_event(reads_done)
+        if after is None:
+            torch.cuda.current_stream(self.device).wait_event(reads_done)
         return reads_done
 
-    def _maybe_spill(self, seg: RowsSegment, ring: RowRing, start: int) -> RowsSegment:
-        """Copy a wave to pinned host rows so the slab rows can be reused by this same save."""
-        nbytes = seg.rows.numel()
+    def _plan_drain(self, overflow: int, slab: int) -> None:
+        """Up to `overflow` bytes of this save drain through pinned host memory: have them pinned,
+        and say once where the save will wait (for pinning, or for the disk)."""
         host = self.host
-        if host.ring is None or host.pages(nbytes) > host.ring.rows:
-            return seg
-        page = host.ring.try_acquire(host.pages(nbytes))
-        if page is None:
-            return seg
-        dst = host.view(page, nbytes).view(seg.rows.shape)
-        with torch.cuda.stream(self.stream):
-            dst.copy_(seg.rows, non_blocking=True)
-            ready = _recorded(self.stream)
-        ring.release(start)  # later writes into these rows are ordered after the copy on this stream
-        return RowsSegment(seg.chunks, seg.pendings, dst, ready, lambda: host.ring.release(page),
-                           on_gpu=False, device=self)
+        if host.capacity < overflow and "host" not in self._warned:
+            self._warned.add("host")
+            log.warning("tiered: cuda:%d: this state's compressed chunks do not fit the GPU slab (%s); up to %s drain "
+                        "through pinned host memory, which holds at most %s: save() waits for the disk for the rest. "
+                        "Raise budgets.host_buffer (or gpu_buffer, where GPU memory is free)", self.index,
+                        format_size(slab), format_size(overflow), format_size(host.capacity))
+        elif host.pinned_bytes < min(overflow, host.capacity) and "pin" not in self._warned:
+            self._warned.add("pin")
+            log.warning("tiered: cuda:%d: this save drains up to %s through pinned host memory and %s is pinned: the "
+                        "rest is pinned now, in the background, and this save waits for it (~0.3-0.5 s per GB, "
+                        "once). engine.reserve(state) at start-up does this before the first save", self.index,
+                        format_size(overflow), format_size(host.pinned_bytes))
+        host.want(overflow)
 
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
         """Zero each GPU row past its chunk and return the rows' wsum64 checksums."""
@@ -221,14 +251,16 @@ class GpuDevice:
             out = torch.cat(sums).cpu().tolist()
         return [to_u64(x) for x in out]
 
-    def coalesce(self, seg: RowsSegment, extents: Sequence[int], writer: Any) -> Iterator[tuple[int, int, torch.Tensor, int]]:
+    def coalesce(self, seg: RowsSegment, extents: Sequence[int], writer: Any,
+                 limit: int | None = None) -> Iterator[tuple[int, int, torch.Tensor, int]]:
         """Copy the rows' extents, in order, end to end into one of two GPU staging buffers of
         `write_staging_bytes` bytes, yielding (first row, end row, the filled buffer, its slot) so that
         the caller issues one large write per buffer instead of one per chunk. Before refilling a
         slot it waits for the write that `hold(slot, writer, future)` registered on it (a write of
         an earlier, closed writer is complete). Rows larger than a buffer are yielded as they are
-        (slot -1)."""
-        size = write_staging_bytes(self.budgets.gpu_buffer)
+        (slot -1). `limit` caps the bytes yielded at once (a row itself may exceed it)."""
+        size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
+        size = min(size, limit or size)
         with torch.cuda.device(self.index):
             if self._staging is None:
                 self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
@@ -258,6 +290,23 @@ class GpuDevice:
                 self.writer_stream.synchronize()
                 yield i, k, buf, slot
                 i = k
+
+    def drain(self, seg: RowsSegment, extents: Sequence[int], writer: Any) -> Iterator[tuple[int, int, torch.Tensor, Callable[[], None]]]:
+        """Copy the rows' extents, in order and end to end, into pinned host pages, yielding
+        (first row, end row, the host extent, its release) for runs of rows: only compressed
+        bytes cross PCIe and each run is one large host write. Blocks while the host pool is full
+        (backpressure from the disk). Every copy is complete when yielded, so the slab rows may be
+        released once the iteration ends. (Measured on an H100: ~20 GB/s, bound by a gather and
+        two waits per 64 MiB, against 55 GB/s for pinned copies: see docs/benchmarks.md.)"""
+        host = self.host
+        for i, k, buf, _ in self.coalesce(seg, extents, writer, limit=host.max_run_bytes):
+            n = buf.numel()
+            page = host.ring.acquire(host.pages(n))
+            dst = host.view(page, n)
+            with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
+                dst.copy_(buf, non_blocking=True)
+                self.writer_stream.synchronize()
+            yield i, k, dst, lambda p=page: host.ring.release(p)
 
     def hold(self, slot: int, writer: Any, future: Any) -> None:
         """The staging slot is in use until `future` (a write from it by `writer`) is done."""
@@ -357,14 +406,17 @@ class GpuDevice:
         refs = [(rec, tmp, j) for rec, _, tmp in work for j in range(len(rec.chunks))]
         if refs:
             stride = round_up(max(rec.chunks[j].extent for rec, _, j in refs), ALIGNMENT)
-            waves = _wave_bounds([rec.chunks[j].raw_size for rec, _, j in refs], self.budgets.pack_buffer,
-                                 max(1, self.budgets.gpu_buffer // stride))
+            # The slab and the read buffers (up to two more of a wave's size) share the budget.
+            budget = self.budget(len(refs) * stride, self.budgets.pack_buffer, 3 * (self.budgets.pack_buffer // chunk_size + 1) * stride,
+                                 "restores")
+            waves = wave_bounds([rec.chunks[j].raw_size for rec, _, j in refs], self.budgets.pack_buffer,
+                                 max(1, budget // stride // (1 if self.budgets.gpu_buffer is not None else 3)))
             rows_cap = max(k - i for i, k in waves)
             slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=self.device)
             pack = torch.empty(min(self.budgets.pack_buffer, sum(
-                round_up(rec.chunks[j].raw_size, _PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
+                round_up(rec.chunks[j].raw_size, PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
                 dtype=torch.uint8, device=self.device)
-            runs = [_file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
+            runs = [file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
             need = max(sum(n for _, n, _ in r) for r in runs)
             # Two read buffers. The next wave's reads are queued before this wave's are waited for,
             # so KvikIO's threads never idle at a wave boundary, and they run while this wave is
@@ -429,7 +481,7 @@ class GpuDevice:
         offsets, pos = [], 0
         for r, (rec, _, j) in enumerate(refs):
             if r and not (refs[r - 1][0] is rec and refs[r - 1][2] + 1 == j):
-                pos = round_up(pos, _PACK_ALIGN)
+                pos = round_up(pos, PACK_ALIGN)
             offsets.append(pos)
             pos += rec.chunks[j].raw_size
         with torch.cuda.stream(self.stream):
@@ -459,125 +511,17 @@ class GpuDevice:
                     y += 1
                 lo = j0 * chunk_size
                 hi = lo + sum(rec.chunks[refs[good[z]][2]].raw_size for z in range(x, y + 1))
-                get_codec(rec.codec, self.zstd).unpack(_bytes_of(tmp)[lo:hi], pack[offsets[r]:offsets[r] + hi - lo],
+                get_codec(rec.codec, self.zstd).unpack(bytes_of(tmp)[lo:hi], pack[offsets[r]:offsets[r] + hi - lo],
                                                        chunk_size)
                 x = y + 1
             for r, why in bad.items():
                 rec, tmp, j = refs[r]
                 raw = torch.from_numpy(repair(rec, j, why))
-                _bytes_of(tmp)[j * chunk_size:j * chunk_size + raw.numel()].copy_(raw)
+                bytes_of(tmp)[j * chunk_size:j * chunk_size + raw.numel()].copy_(raw)
         self.stream.synchronize()
-
-
-@dataclass
-class _Wave:
-    """One wave of a save, precomputed: which bytes go where in the pack buffer, and the codec
-    groups. Whole tensors are copied by one fused multi-tensor copy into typed views of the pack
-    buffer shaped like them, so a warm save passes the caller's tensors as they are (no per-tensor
-    views or slices built per save: that was most of save()'s host time on states of many tensors)."""
-
-    chunks: list[ChunkRef]
-    offsets: list[int]
-    raw_sizes: list[int]
-    groups: list[tuple[Codec, int, int]]
-    """(codec, first, end) runs of chunks of one codec spec: one batched call each."""
-    whole: list[int]
-    whole_dsts: list[torch.Tensor]
-    pieces: list[tuple[int, int, int, torch.Tensor, Codec | None]]
-    """(leaf index, byte lo, byte hi, uint8 pack view, codec to pack with or None for a plain copy)."""
-
-    def pack(self, tensors: Sequence[torch.Tensor], contiguous: dict[int, torch.Tensor], chunk_size: int) -> None:
-        if self.whole:
-            torch._foreach_copy_(self.whole_dsts, [tensors[i] for i in self.whole])
-        for i, lo, hi, dst, codec in self.pieces:
-            src = contiguous.get(i)
-            if src is None:
-                t = tensors[i]
-                src = contiguous[i] = _bytes_of(t if t.is_contiguous() else t.contiguous())
-            if codec is None:
-                dst.copy_(src[lo:hi])
-            else:
-                codec.pack(dst, src[lo:hi], chunk_size)
-
-
-@dataclass
-class _Layout:
-    """A save's waves for one structure of state (`plans`, cached by the engine's PlanCache) and
-    one set of buffers; reused by every save of that structure."""
-
-    plans: Sequence[TensorPlan]
-    pack_ptr: int
-    rows: int
-    stride: int
-    nchunks: int
-    waves: list[_Wave]
-
-    def fits(self, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int) -> bool:
-        return self.plans is plans and self.pack_ptr == pack.data_ptr() and self.rows == rows and self.stride == stride
-
-    @classmethod
-    def build(cls, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int, chunk_size: int,
-              zstd: ZstdSettings) -> "_Layout":
-        chunks = chunk_refs(plans)
-        waves = []
-        for i, k in _wave_bounds([c.raw_size for c in chunks], pack.numel(), rows):
-            wave = chunks[i:k]
-            offsets: list[int] = []
-            whole: list[int] = []
-            whole_dsts: list[torch.Tensor] = []
-            parts: list[tuple[int, int, int, torch.Tensor, Codec | None]] = []
-            pos = 0
-            for plan, j0, n in pieces(wave):
-                codec = get_codec(plan.spec, zstd)
-                plain = type(codec).pack is Codec.pack
-                lo, hi = j0 * chunk_size, min(plan.nbytes, (j0 + n) * chunk_size)
-                if plain and lo == 0 and hi == plan.nbytes:
-                    whole.append(plan.index)
-                    whole_dsts.append(pack[pos:pos + hi].view(plan.dtype).view(plan.shape))
-                else:
-                    parts.append((plan.index, lo, hi, pack[pos:pos + hi - lo], None if plain else codec))
-                offsets.extend(pos + m * chunk_size for m in range(n))
-                pos = round_up(pos + hi - lo, _PACK_ALIGN)
-            groups: list[tuple[Codec, int, int]] = []
-            for a, c in enumerate(wave):
-                if groups and groups[-1][0].spec == c.plan.spec:
-                    groups[-1] = (groups[-1][0], groups[-1][1], a + 1)
-                else:
-                    groups.append((get_codec(c.plan.spec, zstd), a, a + 1))
-            waves.append(_Wave(wave, offsets, [c.raw_size for c in wave], groups, whole, whole_dsts, parts))
-        return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves)
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     ev = torch.cuda.Event()
     ev.record(stream)
     return ev
-
-
-def _file_runs(chunks: Sequence[Any]) -> list[tuple[int, int, list[int]]]:
-    """[(file offset, bytes, member positions)]: the chunks (ChunkRecords, in restore order)
-    grouped into runs that lie end to end in the data file, so each run is one read."""
-    runs: list[tuple[int, int, list[int]]] = []
-    for r, c in enumerate(chunks):
-        if runs and runs[-1][0] + runs[-1][1] == c.offset:
-            runs[-1][2].append(r)
-            runs[-1] = (runs[-1][0], runs[-1][1] + c.extent, runs[-1][2])
-        else:
-            runs.append((c.offset, c.extent, [r]))
-    return runs
-
-
-def _wave_bounds(raw_sizes: Sequence[int], pack_bytes: int, max_rows: int) -> list[tuple[int, int]]:
-    """[(i, k)]: consecutive runs of chunks whose raw bytes fit the pack buffer (each chunk
-    aligned to _PACK_ALIGN there) and whose count fits `max_rows` slab rows; at least one chunk each."""
-    bounds: list[tuple[int, int]] = []
-    i, used = 0, 0
-    for k, size in enumerate(raw_sizes):
-        need = round_up(size, _PACK_ALIGN)
-        if k > i and (used + need > pack_bytes or k - i >= max_rows):
-            bounds.append((i, k))
-            i, used = k, 0
-        used += need
-    if i < len(raw_sizes):
-        bounds.append((i, len(raw_sizes)))
-    return bounds

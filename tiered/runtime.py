@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from tiered.budgets import auto_host_buffer, host_available, local_ranks
 from tiered.config import Config
-from tiered.staging import HostPool
+from tiered.staging import PIN_BLOCK, HostPool
+from tiered.units import format_size
 
 log = logging.getLogger("tiered")
 
@@ -45,8 +47,8 @@ class Workers:
         threads = config.zstd.threads or os.cpu_count() or 1
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
         """CPU codec work (zstd encode and decode release the GIL)."""
-        self.host = HostPool(config.budgets.host_buffer, page=4096)
-        """Host staging memory: pinned where CUDA exists; allocated once, reused."""
+        self.host = host_pool(config.budgets.host_buffer)
+        """Host staging memory: pinned in the background, as saves need it, where CUDA exists."""
         self._devices: dict[int, Any] = {}
         self._lock = threading.Lock()
 
@@ -62,6 +64,24 @@ class Workers:
         return dev
 
     def close(self) -> None:
-        """Stop the codec pool and let the GPU staging memory go."""
+        """Stop the codec pool and let the GPU and host staging memory go (nothing may be staged)."""
         self.pool.shutdown()
         self._devices.clear()
+        self.host.close()
+
+
+def host_pool(host_buffer: int | None) -> HostPool:
+    """The engine's host staging pool: at most `host_buffer` bytes, or ``auto`` (tiered.budgets),
+    logged; where CUDA is in use, pinned on a background thread as saves need it."""
+    cuda = torch.cuda.is_available()
+    if host_buffer is None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
+        choice = auto_host_buffer(host_available(), local_ranks(), total, PIN_BLOCK)
+        host_buffer = choice.nbytes
+        log.info("tiered: budgets.host_buffer auto: %s (%s)%s; set budgets.host_buffer to change it",
+                 format_size(host_buffer), choice.why, ", pinned in the background as saves need it" if cuda else "")
+    if not cuda:
+        return HostPool(host_buffer)
+    cudart = torch.cuda.cudart()
+    return HostPool(host_buffer, pin=lambda addr, n: int(cudart.cudaHostRegister(addr, n, 0)) == 0,
+                    unpin=lambda addr: cudart.cudaHostUnregister(addr))

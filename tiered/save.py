@@ -12,9 +12,12 @@ after this rank's index, because the step is committed once every rank's files a
       -> plan (tiered.plan: flatten, group, codec per tensor; cached across saves)
       -> stage: GPU tensors packed + compressed on a side stream (tiered.gpu: the compressed copy
          is the snapshot), CPU tensors copied into host staging (tiered.cpu)   -> returns
+         (with `guard(optimizer)`: the stage runs on the stager thread instead, `save()`
+         returns at once, and the optimizer's next step waits for the reads: tiered.overlap)
     writer thread, per staged segment, in order:
       -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU
       -> each chunk placed at the next aligned offset; runs of rows written as one extent
+         (from the GPU, or drained through pinned host memory where the state outgrows the slab)
       -> data file closed (fsync)                             `_write_rank`
       -> the rank's index written (fsync'd temporary + rename)
       -> the manifest committed, last                          `_write` (not with rank_only)
@@ -37,12 +40,15 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from tiered import checksum, cpu, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
                            dtype_name, index_file_name)
+from tiered.overlap import Guard, guarded_storages, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.runtime import Workers
@@ -117,6 +123,13 @@ class _Job:
     """Where the step is written: the fast tier, or the next one where the fast tier could not take it."""
     rank_only: bool = False
     """Write this rank's files only; the step is committed by the distributed save (tiered.dcp)."""
+    after: dict[int, Any] | None = None
+    """Overlapped saves: per GPU, the event the training stream recorded in save(); the stager
+    thread stages after it."""
+    reads: list[tuple[int, Any]] = field(default_factory=list)
+    """Per GPU, the event after which the state may change (set once staged)."""
+    enqueued: threading.Event = field(default_factory=threading.Event)
+    """The stager thread has issued (or given up) all of this save's reads."""
 
     def drop_tensors(self) -> None:
         """Forget the saved tensors once the step is written (or has failed): the engine must not
@@ -148,8 +161,50 @@ class SavePipeline:
         """The last save went to the next tier (on_fast_tier_error: next_tier)."""
         self._adopting: list[threading.Thread] = []
         """Threads committing dcp.save's steps on this node's tier once rank 0 has (tiered.dcp_storage)."""
+        self._guards: list[Any] = []
+        """Optimizers whose step waits for overlapped saves (`guard`)."""
+        self._unordered: list[_Job] = []
+        """Overlapped saves that no guarded optimizer step has waited for yet."""
+        self._logged_strict = False
+        self._stager: threading.Thread | None = None
+        self._stage_queue: "queue.Queue[_Job | None]" = queue.Queue()
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
+
+    # --- overlapping saves with the next forward and backward ------------------------------------
+    def guard(self, optimizer: Any) -> Guard:
+        """From now on `save()` returns before the state has been read, and `optimizer.step()`
+        waits until it has (tiered.overlap says what is guarded and what is cloned instead)."""
+        self._guards.append(optimizer)
+        if self._stager is None:
+            self._stager = threading.Thread(target=self._stager_loop, name="tiered-stager", daemon=True)
+            self._stager.start()
+        return Guard(self._guards, optimizer, optimizer.register_step_pre_hook(lambda *_: self.order_updates()),
+                     self.order_updates)
+
+    def order_updates(self) -> None:
+        """Make the current streams wait until every overlapped save has read the state (a guarded
+        optimizer calls this before each step; a loop that updates the state otherwise calls it
+        itself). Waits on the CPU only while the stager thread is still issuing reads."""
+        with self._lock:
+            jobs, self._unordered = self._unordered, []
+        for job in jobs:
+            job.enqueued.wait()
+            for index, ev in job.reads:
+                torch.cuda.current_stream(index).wait_event(ev)
+
+    def _stager_loop(self) -> None:
+        while True:
+            job = self._stage_queue.get()
+            if job is None:
+                return
+            try:
+                self._stage(job)
+            except BaseException:  # noqa: BLE001 - the writer records it (BackgroundSaveError)
+                for index in job.plan.gpu:  # nothing of this save may still read the state
+                    self.workers.device(index).stream.synchronize()
+            finally:
+                job.enqueued.set()
 
     # --- for the engine, the distributed save and DCP storage ----------------------------------
     def on_commit(self, hook: Callable[[int], None]) -> None:
@@ -260,34 +315,64 @@ class SavePipeline:
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all), tier=tier.name,
                             _reported=self._reported)
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
-        job = _Job(step, skeleton, plan, handle, device_io=bool(plan.gpu), tier=tier, rank_only=rank_only)
+        overlapped = self._overlapped(plan) if self._guards else None
+        job = _Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
+                   rank_only=rank_only)
         with self._lock:
             self._inflight[step] = handle
         self._jobs.put(job)
-        events = []
+        if tier is self.tier:
+            self.codec.after_save(job.plan, handle)  # (the first save: samples the state for codec: auto)
+        if self._guards:  # one thread stages, in save order: a strict save too, then waited for here
+            job.after = {index: _recorded(index) for index in plan.gpu}
+            with self._lock:
+                self._unordered.append(job)
+            self._stage_queue.put(job)
+            if overlapped is None:
+                self.order_updates()
+        else:
+            self._stage(job, strict=True)
+        handle.stall_s = time.perf_counter() - t0
+        return handle
+
+    def _overlapped(self, plan: SavePlan) -> SavePlan | None:
+        """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly."""
+        got, why = overlap_plan(plan, guarded_storages(self._guards), lambda i: torch.cuda.mem_get_info(i)[0])
+        if got is None and not self._logged_strict:
+            self._logged_strict = True
+            log.warning("tiered: saves are staged strictly (save() waits for the GPU to read the state), not "
+                        "overlapped with the next forward and backward: %s. Guard the optimizer that updates it, or "
+                        "save it separately", why)
+        return got
+
+    def _stage(self, job: _Job, strict: bool = False) -> None:
+        """Stage the job's tensors (the caller's thread, or the stager's once an optimizer is
+        guarded), then hand the writer the end of its segments. A failure is handed to the writer
+        too; `strict`: the caller raises it, so the writer does not record it again."""
+        plan, handle, events = job.plan, job.handle, []
         try:
             for index, plans in plan.gpu.items():
                 device = self.workers.device(index)
-                events.append(device.stage(plans, plan.tensors, job.segments.put, job.go.set))
+                ev = device.stage(plans, plan.tensors, job.segments.put, job.go.set,
+                                  after=job.after[index] if job.after else None)
+                events.append(ev)
+                job.reads.append((index, ev))
                 handle.timings.update({f"cuda:{index}.{k}": v for k, v in device.timings.items()})
             t1 = time.perf_counter()
             cpu.snapshot(plan.cpu, plan.tensors, self.workers.host, self.config.chunk_size, job.segments.put, job.go.set)
             handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
         except BaseException as exc:
-            job.aborted = True
+            job.aborted = strict
             job.segments.put(_Abort(exc))
             job.go.set()
             raise
         job.segments.put(_END)
         job.go.set()
-        if tier is self.tier:
-            self.codec.after_save(plan, handle)
+        job.drop_tensors()  # read (GPU: ordered by record_stream) or copied: the state may go
         if events:
             threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
         else:
-            _settle(handle.staged, step)
-        handle.stall_s = time.perf_counter() - t0
-        return handle
+            _settle(handle.staged, job.step)
 
     def wait(self) -> None:
         """Wait for every in-flight save to be persisted; raise the first background failure."""
@@ -309,6 +394,9 @@ class SavePipeline:
     def close(self) -> None:
         """Stop the writer once its queue is done, and join the pipeline's other threads."""
         self.closed = True
+        if self._stager is not None:
+            self._stage_queue.put(None)
+            self._stager.join()
         self._jobs.put(None)
         self._writer.join()
         while self._adopting:
@@ -444,28 +532,38 @@ class RankFiles:
 
 
 def _write_rows(seg: Any, writer: Any, place: Any) -> None:
-    """Checksum a wave of compressed rows and write each row's aligned extent."""
+    """Checksum a wave of compressed rows on the GPU and write each row's aligned extent.
+
+    Chunks are placed end to end, so a run of rows is one extent of the file: gathered on the GPU,
+    it goes out as one large write instead of one per chunk: from the GPU through KvikIO, or,
+    where the save needs its slab rows back (`seg.drain`), from pinned host memory on the
+    writer's threads once copied there."""
     sizes = seg.sizes()
-    if seg.on_gpu:
-        sums = seg.device.finish_rows(seg, sizes)
-        extents = [round_up(n, ALIGNMENT) for n in sizes]
-        # Chunks are placed end to end, so a run of rows is one extent of the file: gathered into
-        # a staging buffer on the GPU, it goes out as one large write (KvikIO splits it into tasks
-        # for its threads) instead of one write per chunk.
-        for i, k, buf, slot in seg.device.coalesce(seg, extents, writer):
-            offset = place(seg.chunks[i], sizes[i], sums[i])
-            for r in range(i + 1, k):
-                place(seg.chunks[r], sizes[r], sums[r])
-            seg.device.hold(slot, writer, writer.write_device(offset, buf))
-            if slot < 0:
-                writer.wait()  # written straight from the row, which goes back to the slab after this
+    sums = seg.device.finish_rows(seg, sizes)
+    extents = [round_up(n, ALIGNMENT) for n in sizes]
+
+    def place_run(i: int, k: int) -> int:
+        offset = place(seg.chunks[i], sizes[i], sums[i])
+        for r in range(i + 1, k):
+            place(seg.chunks[r], sizes[r], sums[r])
+        return offset
+
+    if seg.drain:
+        write = getattr(writer, "write_host_async", None)
+        for i, k, host, release in seg.device.drain(seg, extents, writer):
+            offset, view = place_run(i, k), memoryview(host.numpy())
+            if write is not None:
+                write(offset, view, release)
+            else:
+                try:
+                    writer.write_host(offset, view)
+                finally:
+                    release()
         return
-    seg.ready.synchronize()
-    rows = seg.rows.numpy()
-    for i, ref in enumerate(seg.chunks):
-        row, n = rows[i], sizes[i]
-        row[n:round_up(n, ALIGNMENT)] = 0
-        writer.write_host(place(ref, n, checksum.wsum64(row[:n])), memoryview(row[:round_up(n, ALIGNMENT)]))
+    for i, k, buf, slot in seg.device.coalesce(seg, extents, writer):
+        seg.device.hold(slot, writer, writer.write_device(place_run(i, k), buf))
+        if slot < 0:
+            writer.wait()  # written straight from the row, which goes back to the slab after this
 
 
 
@@ -489,6 +587,13 @@ def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+def _recorded(index: int) -> Any:
+    """An event recorded now on GPU `index`'s current stream."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(index))
+    return ev
 
 
 def _complete_after(events: Sequence[Any], fut: Future) -> None:

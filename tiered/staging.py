@@ -1,36 +1,66 @@
-"""Bounded, reused staging memory: the GPU chunk slab and the host (pinned) pool.
+"""Bounded, reused staging memory: row rings and the host (pinned) pool.
 
-Both are rings of fixed-size rows handed out in FIFO order: `save()` acquires rows for a wave
-(blocking while the background writer still holds them: backpressure), the writer releases them
-once the bytes are on disk. Memory is allocated once, on first use, and reused across saves.
+Both are rings of fixed-size rows handed out in FIFO order: a save acquires rows (blocking while
+the background writer still holds them: backpressure), the writer releases them once the bytes
+are on disk. Memory is reserved once and reused across saves.
+
+The host pool is one page-aligned anonymous mapping (what O_DIRECT needs). Where CUDA is in use
+it is pinned on a background thread, block by block, as saves need it (`HostPool.want`; or at
+start-up through `Engine.reserve`): pinning costs ~0.3-0.5 s per GB, which should not be paid
+inside a save. Runs of rows never straddle a block, so every copy lands in one pinned
+registration; rows past what is pinned so far are not handed out until they are.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 import threading
+import time
 from collections import deque
 from typing import Callable
 
 import torch
 
+from tiered.units import format_size
+
+log = logging.getLogger("tiered")
+
+PIN_BLOCK = 512 << 20
+"""Bytes pinned per call: a background registration holds driver locks for ~0.25 s at most."""
+
 
 class RowRing:
-    """Contiguous runs of rows out of `rows`, allocated and (usually) released in FIFO order."""
+    """Contiguous runs of rows out of `rows`, allocated and (usually) released in FIFO order.
 
-    def __init__(self, rows: int):
+    `limit` (default: all) is how many leading rows may be handed out now; `grow` raises it.
+    With `boundary`, a run never crosses a multiple of `boundary` rows."""
+
+    def __init__(self, rows: int, *, limit: int | None = None, boundary: int | None = None):
         if rows <= 0:
             raise ValueError("a ring needs at least one row")
         self.rows = rows
+        self.limit = rows if limit is None else limit
+        self.boundary = boundary
         self._live: deque[tuple[int, int]] = deque()
         self._head = 0
         self._cv = threading.Condition()
 
+    @property
+    def max_run(self) -> int:
+        """The longest run one acquire may ask for."""
+        return min(self.rows, self.boundary or self.rows)
+
     def _fits(self, start: int, n: int) -> bool:
         return all(start + n <= s or s + c <= start for s, c in self._live)
 
+    def _check(self, n: int) -> None:
+        if n > self.max_run:
+            raise ValueError(f"{n} rows requested from a ring of {self.rows}"
+                             + (f" in runs of at most {self.boundary}" if self.boundary else ""))
+
     def try_acquire(self, n: int) -> int | None:
-        if n > self.rows:
-            raise ValueError(f"{n} rows requested from a ring of {self.rows}")
+        self._check(n)
         with self._cv:
             return self._try(n)
 
@@ -38,17 +68,20 @@ class RowRing:
         if not self._live:
             self._head = 0
         for start in (self._head, 0):
-            if start + n <= self.rows and self._fits(start, n):
+            b = self.boundary
+            if b and start // b != (start + n - 1) // b:
+                start = (start // b + 1) * b  # the next block: a run never straddles one
+            if start + n <= self.limit and self._fits(start, n):
                 self._live.append((start, n))
                 self._head = start + n
                 return start
         return None
 
     def acquire(self, n: int, on_block: Callable[[], None] | None = None) -> int:
-        """Rows [start, start + n); waits while they are held. `on_block` runs (once, outside the
-        lock) before the first wait: save() uses it to let the writer start freeing rows."""
-        if n > self.rows:
-            raise ValueError(f"{n} rows requested from a ring of {self.rows}")
+        """Rows [start, start + n); waits while they are held (or not yet usable). `on_block` runs
+        (once, outside the lock) before the first wait: save() uses it to let the writer start
+        freeing rows."""
+        self._check(n)
         if on_block is not None:
             start = self.try_acquire(n)
             if start is not None:
@@ -58,6 +91,12 @@ class RowRing:
             while (start := self._try(n)) is None:
                 self._cv.wait()
             return start
+
+    def grow(self, limit: int) -> None:
+        """Let the first `limit` rows be handed out."""
+        with self._cv:
+            self.limit = max(self.limit, min(limit, self.rows))
+            self._cv.notify_all()
 
     def release(self, start: int) -> None:
         with self._cv:
@@ -71,7 +110,7 @@ class RowRing:
 
     def free_rows(self) -> int:
         with self._cv:
-            return self.rows - sum(c for _, c in self._live)
+            return self.limit - sum(c for _, c in self._live)
 
     def idle(self) -> bool:
         with self._cv:
@@ -79,34 +118,114 @@ class RowRing:
 
 
 class HostPool:
-    """Host staging memory in pages of `page` bytes: pinned where CUDA exists (fast D2H).
+    """Host staging memory of at most `capacity` bytes in pages of `page` bytes, handed out by `ring`.
 
-    Allocated on first use, sized to what that save needs (up to the budget), and reused; it
-    grows only while idle. Pinned allocation is slow (~0.5 s per GB), so it is never freed
-    between saves.
+    The mapping is reserved at once; the kernel backs pages as they are first used. Without
+    `pin`, every page is usable at once. With `pin(address, nbytes) -> bool` (cudaHostRegister),
+    pages are pinned on demand on a background thread, block by block: `want(nbytes)` raises the
+    target (a save that needs more, or `Engine.reserve` at start-up), the ring hands pages out as
+    their block is pinned, and what is pinned stays pinned for later saves. A registration that
+    fails leaves the rest usable unpinned (copies into it are slower) and is logged.
     """
 
-    def __init__(self, capacity: int, page: int):
-        self.capacity = capacity - capacity % page
+    def __init__(self, capacity: int, page: int = 4096, *, pin: Callable[[int, int], bool] | None = None,
+                 unpin: Callable[[int], None] | None = None, block: int = PIN_BLOCK):
+        self.capacity = max(page, capacity - capacity % page)
         self.page = page
-        self.buffer: torch.Tensor | None = None
-        self.ring: RowRing | None = None
-        self._lock = threading.Lock()
+        block = min(max(page, block - block % page), self.capacity)
+        self._mm = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buffer: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        rows = self.capacity // page
+        self._pin, self._unpin, self._block = pin, unpin, block
+        self.ring = RowRing(rows, limit=0 if pin is not None else rows,
+                            boundary=block // page if pin is not None else None)
+        self._pinned: list[int] = []
+        self.pinned_bytes = 0
+        """Bytes pinned so far (all usable pages, without `pin`)."""
+        self.pinning_seconds = 0.0
+        self.closed = False
+        self._target = 0
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._failed = pin is None
+        if pin is None:
+            self.pinned_bytes = self.capacity
 
-    def reserve(self, nbytes: int) -> None:
-        """Make sure the pool holds min(nbytes, capacity), if it can grow now."""
-        want = min(self.capacity, -(-nbytes // self.page) * self.page)
-        with self._lock:
-            if self.buffer is not None and (self.buffer.numel() >= want or not self.ring.idle()):
+    @property
+    def max_run_bytes(self) -> int:
+        """The most bytes one acquire may ask for (one pinned block, or the whole pool)."""
+        return self.ring.max_run * self.page
+
+    def want(self, nbytes: int) -> None:
+        """Have at least min(nbytes, capacity) usable: pin the rest in the background (no-op
+        without `pin`, or where that much is pinned or being pinned already)."""
+        if self._failed:
+            return
+        with self._cv:
+            target = min(self.capacity, -(-nbytes // self._block) * self._block)
+            if target <= self._target or self.closed:
                 return
-            self.buffer = None
-            pin = torch.cuda.is_available()
-            self.buffer = torch.empty(want, dtype=torch.uint8, pin_memory=pin)
-            self.ring = RowRing(want // self.page)
+            self._target = target
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._pin_loop, name="tiered-pinner", daemon=True)
+                self._thread.start()
+
+    def _pin_loop(self) -> None:
+        assert self._pin is not None and self.buffer is not None
+        base = self.buffer.data_ptr()
+        while True:
+            with self._cv:
+                off = self.pinned_bytes
+                if self.closed or off >= self._target:
+                    self._thread = None
+                    self._cv.notify_all()
+                    if off and not self.closed:
+                        log.info("tiered: %s of host staging memory pinned (%.1f s so far)", format_size(off),
+                                 self.pinning_seconds)
+                    return
+            n = min(self._block, self.capacity - off)
+            t0 = time.perf_counter()
+            ok = self._pin(base + off, n)
+            self.pinning_seconds += time.perf_counter() - t0
+            with self._cv:
+                if not ok:
+                    log.warning("tiered: pinning host staging memory failed after %s of %s: the rest is used "
+                                "unpinned (slower copies from the GPU); lower budgets.host_buffer to pin less",
+                                format_size(off), format_size(self.capacity))
+                    self._failed = True
+                    self.pinned_bytes = self.capacity
+                    self.ring.grow(self.ring.rows)
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
+                self._pinned.append(base + off)
+                self.pinned_bytes = off + n
+            self.ring.grow((off + n) // self.page)
+
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait until what was wanted is pinned (or pinning failed or stopped); True if it is."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._thread is None, timeout)
 
     def pages(self, nbytes: int) -> int:
         return -(-nbytes // self.page)
 
     def view(self, start_page: int, nbytes: int) -> torch.Tensor:
+        assert self.buffer is not None
         off = start_page * self.page
         return self.buffer[off:off + nbytes]
+
+    def close(self) -> None:
+        """Stop pinning, unregister what was pinned and unmap (once nothing is staged)."""
+        with self._cv:
+            self.closed = True
+            self._cv.wait_for(lambda: self._thread is None)
+        if self._unpin is not None:
+            for addr in self._pinned:
+                self._unpin(addr)
+        self._pinned.clear()
+        self.buffer = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a staged view is still referenced: the mapping goes with it

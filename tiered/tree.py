@@ -10,8 +10,7 @@ from __future__ import annotations
 import base64
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -21,8 +20,9 @@ from tiered.errors import StateDictError
 KeyPath = tuple[Any, ...]
 
 
-@dataclass(frozen=True)
-class Leaf:
+class Leaf(NamedTuple):
+    """One tensor of a state (a named tuple: a state has thousands, made on every save)."""
+
     path: KeyPath
     tensor: torch.Tensor
     is_numpy: bool
@@ -66,7 +66,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
         if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             raise StateDictError(f"{path_str(path)}: tensor subclass {type(obj).__name__} is not supported "
                                  "(DTensor support goes through tiered.dcp)")
-        leaves.append(Leaf(path, obj.detach(), False))
+        leaves.append(Leaf(path, obj.detach() if obj.requires_grad else obj, False))
         return {"$tensor": len(leaves) - 1}
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject or obj.dtype.fields is not None:

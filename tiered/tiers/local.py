@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,9 @@ class LocalDataWriter:
         self._bounce: AlignedBuffer | None = None
         self._cufile: Any = None
         self._futures: list[Any] = []
+        self._host_pool: ThreadPoolExecutor | None = None
+        self._host_futures: list[Future] = []
+        self._reopen = threading.Lock()
         self._end = 0
         host_mode = "posix-odirect" if self._direct else "posix-buffered"
         self.io_mode = host_mode
@@ -165,6 +169,37 @@ class LocalDataWriter:
         self._pwrite_all(buf, offset)
         self._end = max(self._end, offset + n)
 
+    def write_host_async(self, offset: int, buf: memoryview, on_done: Any = None) -> None:
+        """Write a page-aligned host extent at `offset` in IO_TASK pieces on IO_THREADS threads
+        (large O_DIRECT requests in parallel reach more of the disk than one thread); then call
+        `on_done()`, whether or not it failed. Failures are raised by wait() and close()."""
+        n = len(buf)
+        if offset % ALIGNMENT or n % ALIGNMENT:
+            raise ValueError(f"unaligned extent at {offset}+{n}")
+        if self._direct and not _is_aligned(buf):
+            self.write_host(offset, buf)
+            if on_done is not None:
+                on_done()
+            return
+        if self._host_pool is None:
+            self._host_pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="tiered-write")
+        pieces = [(offset + p, buf[p:p + IO_TASK]) for p in range(0, n, IO_TASK)]
+        left = [len(pieces)]
+        lock = threading.Lock()
+
+        def one(piece: tuple[int, memoryview]) -> None:
+            try:
+                self._pwrite_all(piece[1], piece[0])
+            finally:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last and on_done is not None:
+                    on_done()
+
+        self._host_futures.extend(self._host_pool.submit(one, piece) for piece in pieces)
+        self._end = max(self._end, offset + n)
+
     def _pwrite_all(self, buf: memoryview, offset: int) -> None:
         done = 0
         while done < len(buf):
@@ -173,11 +208,13 @@ class LocalDataWriter:
             except OSError as exc:
                 if exc.errno == errno.EINVAL and self._direct and self._direct_policy == "auto":
                     # The filesystem accepted O_DIRECT at open but refuses this write: go buffered.
-                    log.info("tiered: %s: O_DIRECT write refused, falling back to buffered I/O", self.path)
-                    os.close(self._fd)
-                    self._fd = os.open(self.path, os.O_WRONLY, 0o644)
-                    self._direct = False
-                    self.io_mode = self.io_mode.replace("posix-odirect", "posix-buffered")
+                    with self._reopen:
+                        if self._direct:
+                            log.info("tiered: %s: O_DIRECT write refused, falling back to buffered I/O", self.path)
+                            fd = os.open(self.path, os.O_WRONLY, 0o644)
+                            old, self._fd, self._direct = self._fd, fd, False
+                            os.close(old)
+                            self.io_mode = self.io_mode.replace("posix-odirect", "posix-buffered")
                     continue
                 raise TieredError(f"{self.path}: write of {len(buf)} bytes at offset {offset} failed: "
                                   f"{exc.strerror}") from None
@@ -193,7 +230,14 @@ class LocalDataWriter:
 
     def wait(self) -> None:
         futures, self._futures = self._futures, []
-        wait_futures(futures)
+        host, self._host_futures = self._host_futures, []
+        try:
+            wait_futures(futures)
+        finally:
+            for f in host:
+                f.exception()  # all of them finish before any failure is raised
+        for f in host:
+            f.result()
 
     def wait_for(self, future: Any) -> None:
         """Wait until one write is done (its result is collected by wait() or close(); a future
@@ -223,6 +267,9 @@ class LocalDataWriter:
         self._release()
 
     def _release(self) -> None:
+        if self._host_pool is not None:
+            self._host_pool.shutdown()
+            self._host_pool = None
         if self._cufile is not None:
             self._cufile.close()
             self._cufile = None

@@ -1,0 +1,243 @@
+"""Memory budgets (`auto` and explicit), the host staging pool pinned in the background, and the
+large parallel host writes that drain it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import tiered
+from tiered import budgets
+from tiered.config import ConfigError, load_config
+from tiered.staging import HostPool, RowRing
+from tiered.tiers.local import IO_TASK, LocalDataWriter
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.mark.parametrize("case", [
+    # one rank, plenty of host memory: at most the GPU's memory
+    dict(available=1000 * GiB, ranks=1, gpu=80 * GiB, want=80 * GiB),
+    # half of what is available, shared by the node's ranks, in whole blocks
+    dict(available=120 * GiB, ranks=1, gpu=80 * GiB, want=60 * GiB),
+    dict(available=120 * GiB, ranks=8, gpu=80 * GiB, want=7 * GiB + 512 * MiB),
+    dict(available=2048 * GiB, ranks=8, gpu=80 * GiB, want=80 * GiB),
+    # never less than one block
+    dict(available=256 * MiB, ranks=4, gpu=80 * GiB, want=512 * MiB),
+    # no CUDA: plain memory, at most 8 GiB
+    dict(available=64 * GiB, ranks=1, gpu=None, want=8 * GiB),
+    dict(available=4 * GiB, ranks=1, gpu=None, want=2 * GiB),
+])
+def test_auto_host_buffer(case):
+    got = budgets.auto_host_buffer(case["available"], case["ranks"], case["gpu"], 512 * MiB)
+    assert got.nbytes == case["want"], got
+    assert got.why
+
+
+@pytest.mark.parametrize("case", [
+    # the whole compressed state fits half of what is free
+    dict(need=2 * GiB, free=6 * GiB, others=300 * MiB, minimum=600 * MiB, want=2 * GiB),
+    # it does not: half of free, less the other buffers
+    dict(need=20 * GiB, free=6 * GiB, others=512 * MiB, minimum=600 * MiB, want=3 * GiB - 512 * MiB),
+    # almost nothing free: the minimum (two waves), never more memory than that
+    dict(need=20 * GiB, free=1 * GiB, others=512 * MiB, minimum=600 * MiB, want=600 * MiB),
+    # a tiny state still gets two waves' worth
+    dict(need=1 * MiB, free=60 * GiB, others=0, minimum=8 * MiB, want=8 * MiB),
+])
+def test_auto_gpu_buffer(case):
+    got = budgets.auto_gpu_buffer(case["need"], case["free"], case["others"], case["minimum"])
+    assert got.nbytes == case["want"], got
+    assert ("drains" in got.why) == (case["need"] > got.nbytes)
+
+
+def test_budgets_default_to_auto_and_accept_sizes(tmp_path):
+    tiers = [{"name": "l", "kind": "local", "path": str(tmp_path)}]
+    cfg = load_config({"tiers": tiers})
+    assert cfg.budgets.gpu_buffer is None and cfg.budgets.host_buffer is None
+    cfg = load_config({"tiers": tiers, "budgets": {"gpu_buffer": "auto", "host_buffer": "3GiB"}})
+    assert cfg.budgets.gpu_buffer is None and cfg.budgets.host_buffer == 3 * GiB
+    with pytest.raises(ConfigError, match="budgets.host_buffer"):
+        load_config({"tiers": tiers, "budgets": {"host_buffer": "lots"}})
+
+
+def test_local_ranks_from_torchrun(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert budgets.local_ranks() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    assert budgets.local_ranks() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert budgets.local_ranks() == 1
+    assert budgets.host_available() > 0
+
+
+def test_auto_host_buffer_is_logged_with_the_field(tmp_path, caplog):
+    with caplog.at_level("INFO", "tiered"):
+        with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}):
+            pass
+    assert "budgets.host_buffer auto" in caplog.text and "set budgets.host_buffer" in caplog.text
+
+
+# --- rings and the pool ------------------------------------------------------------------------
+def test_ring_runs_never_straddle_a_boundary():
+    ring = RowRing(12, boundary=4)
+    assert ring.max_run == 4
+    assert ring.acquire(3) == 0
+    assert ring.acquire(3) == 4, "rows 3..5 would straddle row 4"
+    assert ring.acquire(2) == 8, "rows 7..8 would straddle row 8"
+    with pytest.raises(ValueError, match="runs of at most 4"):
+        ring.acquire(5)
+
+
+def test_ring_hands_out_rows_as_the_limit_grows():
+    ring = RowRing(8, limit=0, boundary=4)
+    assert ring.try_acquire(2) is None
+    got = []
+    t = threading.Thread(target=lambda: got.append(ring.acquire(4)))
+    t.start()
+    time.sleep(0.05)
+    assert not got, "waits for rows that are not usable yet"
+    ring.grow(4)
+    t.join(5)
+    assert got == [0]
+    assert ring.try_acquire(1) is None
+    ring.grow(8)
+    assert ring.try_acquire(4) == 4
+
+
+def test_host_pool_pins_on_demand_block_by_block_in_the_background():
+    pinned, unpinned, gate = [], [], threading.Event()
+
+    def pin(addr: int, n: int) -> bool:
+        gate.wait(5)
+        pinned.append((addr, n))
+        return True
+
+    pool = HostPool(10 * 4096, 4096, pin=pin, unpin=unpinned.append, block=4 * 4096)
+    assert pool.max_run_bytes == 4 * 4096 and pool.ring.free_rows() == 0 and pool.wait_pinned(0)
+    pool.want(3 * 4096)  # one block
+    assert not pool.wait_pinned(0.05)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.ring.acquire(2)))
+    t.start()
+    gate.set()
+    assert pool.wait_pinned(5)
+    t.join(5)
+    assert got == [0], "a save waiting for pages gets them as they are pinned"
+    base = pool.buffer.data_ptr()
+    assert base % 4096 == 0, "page aligned, as O_DIRECT needs"
+    assert pinned == [(base, 4 * 4096)] and pool.pinned_bytes == 4 * 4096
+    pool.want(2 * 4096)  # already pinned: nothing to do
+    assert pool.wait_pinned(0) and len(pinned) == 1
+    pool.want(1 << 40)  # more than the pool: all of it, no more
+    assert pool.wait_pinned(5)
+    assert pinned[1:] == [(base + 4 * 4096, 4 * 4096), (base + 8 * 4096, 2 * 4096)]
+    assert pool.pinned_bytes == 10 * 4096 and pool.ring.free_rows() == 10 - 2
+    pool.ring.release(0)
+    page = pool.ring.acquire(2)
+    pool.view(page, 8192).fill_(7)
+    assert int(pool.view(page, 8192).sum()) == 7 * 8192
+    pool.ring.release(page)
+    pool.close()
+    assert unpinned == [a for a, _ in pinned]
+
+
+def test_host_pool_uses_the_rest_unpinned_when_pinning_fails(caplog):
+    calls = []
+
+    def pin(addr: int, n: int) -> bool:
+        calls.append(addr)
+        return len(calls) < 2
+
+    pool = HostPool(8 * 4096, 4096, pin=pin, unpin=lambda a: None, block=2 * 4096)
+    with caplog.at_level("WARNING", "tiered"):
+        pool.want(8 * 4096)
+        assert pool.wait_pinned(5)
+    assert len(calls) == 2 and pool.ring.free_rows() == 8
+    assert "pinning host staging memory failed" in caplog.text and "budgets.host_buffer" in caplog.text
+    pool.close()
+
+
+# --- large parallel host writes ------------------------------------------------------------------
+def _aligned(nbytes: int, seed: int) -> tuple[HostPool, memoryview, bytes]:
+    pool = HostPool(nbytes, 4096)
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    pool.view(0, nbytes).copy_(data)
+    return pool, memoryview(pool.view(0, nbytes).numpy()), data.numpy().tobytes()
+
+
+def test_write_host_async_writes_large_extents_in_parallel_pieces(tmp_path):
+    n = 2 * IO_TASK + 3 * 4096  # three pieces, the last one short
+    pool, view, data = _aligned(n, 1)
+    done = []
+    w = LocalDataWriter(tmp_path / "d", "auto", device=False)
+    w.write_host_async(4096, view, lambda: done.append(1))
+    w.write_host_async(4096 + n, view[:8192], lambda: done.append(2))
+    assert w.close() == 4096 + n + 8192
+    assert sorted(done) == [1, 2], "each extent's on_done runs once, after all its pieces"
+    got = (tmp_path / "d").read_bytes()
+    assert got[:4096] == bytes(4096) and got[4096:4096 + n] == data and got[4096 + n:] == data[:8192]
+    pool.close()
+
+
+def test_write_host_async_failure_is_raised_by_close_and_releases(tmp_path):
+    pool, view, _ = _aligned(IO_TASK + 4096, 2)
+    done = []
+    w = LocalDataWriter(tmp_path / "d", "off", device=False)
+    os.close(w._fd)  # every write fails: EBADF
+    w._fd = os.open(os.devnull, os.O_RDONLY)
+    w.write_host_async(0, view, lambda: done.append(1))
+    with pytest.raises(tiered.TieredError, match="write of"):
+        w.close()
+    assert done == [1], "pages are released even when their write failed"
+    other = LocalDataWriter(tmp_path / "e", "off", device=False)
+    with pytest.raises(ValueError, match="unaligned"):
+        other.write_host_async(1, view)
+    other.close()
+    pool.close()
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_auto_gpu_budget_is_logged_and_bounded_by_free_memory(tmp_path, caplog):
+    state = {"w": torch.randn(32 << 20, device="cuda"), "b": torch.randn(1000, device="cuda").to(torch.bfloat16)}
+    free = torch.cuda.mem_get_info()[0]
+    with caplog.at_level("INFO", "tiered"):
+        with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
+            engine.save(1, state).wait()
+            taken = free - torch.cuda.mem_get_info()[0]
+            got = engine.load(1)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert "budgets.gpu_buffer auto" in caplog.text and "the whole compressed state" in caplog.text
+    assert taken < free // 2, f"took {taken} of {free} free bytes"
+
+
+@pytest.mark.gpu
+def test_state_larger_than_the_slab_drains_through_pinned_memory(tmp_path):
+    """A 512 MiB state through a 64 MiB slab: waves drain through a 96 MiB pinned pool, written
+    from there in large pieces; bit-exact, and the pool is pinned (not pageable)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"t{i}": torch.randn(16 << 20, device="cuda", generator=g) for i in range(8)}
+    cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}],
+           "budgets": {"gpu_buffer": "64MiB", "pack_buffer": "16MiB", "host_buffer": "96MiB"}}
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in (1, 2):
+            engine.save(step, state).wait()
+        assert engine.workers.host.pinned_bytes == 96 << 20, "the save wanted all of the pool"
+        assert engine.workers.host.buffer.is_pinned()
+        got = engine.load(2)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_reserve_takes_a_state_or_a_size(tmp_path):
+    state = {"w": torch.randn(1000), "n": 3}
+    with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
+        engine.reserve(state)
+        engine.reserve(1 << 20)
+        assert engine.wait_pinned(5)
+        engine.save(1, state).wait()
+        assert torch.equal(engine.load(1)["w"], state["w"])

@@ -1,0 +1,125 @@
+"""Saves overlapped with the next forward and backward (`Engine.guard`): what the optimizer step
+waits for, what is cloned instead, and that the snapshot holds while training goes on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import tiered
+from tiered import overlap
+from helpers import trained_model
+
+
+def _state(model, opt) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy(v) for v in obj]
+    return obj
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _step(model, opt, device, n=1):
+    for _ in range(n):
+        loss = model(torch.randn(32, 256, device=device)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_guarded_optimizer_step_waits_for_the_snapshot(tier_config, device):
+    """Training steps right after each save: every step restores to the state at its save()."""
+    model, opt = trained_model(device, steps=2)
+    extra = torch.nn.Linear(4096, 1024).to(device)  # a larger state: staging takes a while
+    opt.add_param_group({"params": extra.parameters()})
+    _step(model, opt, device)
+    expected = {}
+    with tiered.Engine.from_config(tier_config()) as engine:
+        guard = engine.guard(opt)
+        for step in range(1, 4):
+            state = {"model": model.state_dict(), "extra": extra.state_dict(), "optim": opt.state_dict()}
+            expected[step] = _copy(state)
+            engine.save(step, state)
+            if step % 2:
+                _step(model, opt, device)  # changes the parameters in place at once: the hook orders it
+            else:
+                engine.order_updates()  # a change not made through optimizer.step() is ordered by hand
+                with torch.no_grad():
+                    for p in extra.parameters():
+                        p.add_(1.0)
+        engine.wait()
+        guard.remove()
+        for step, want in expected.items():
+            assert _equal(engine.load(step, device=device), want), f"step {step}"
+    assert not opt._optimizer_step_pre_hooks, "remove() unregisters the hook"
+
+
+def test_unguarded_tensors_are_cloned_at_save(tier_config, device):
+    """A buffer the optimizer does not own (an EMA copy, BatchNorm statistics) may change right
+    after save() returns: the save holds its value at the call."""
+    model, opt = trained_model(device, steps=1)
+    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    big = torch.arange(4 << 20, dtype=torch.float32, device=device)
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)
+        state = {"model": model.state_dict(), "ema": ema, "big": big, "optim": opt.state_dict()}
+        want = _copy(state)
+        engine.save(1, state)
+        big.mul_(-1)  # at once, before any optimizer step
+        for v in ema.values():
+            v.zero_()
+        engine.wait()
+        assert _equal(engine.load(1, device=device), want)
+
+
+def test_guard_keys_cover_parameters_state_and_views():
+    model, opt = trained_model("cpu", steps=1)
+    keys = overlap.guarded_storages([opt])
+    sd = model.state_dict()
+    assert all(overlap.storage_key(t) in keys for t in sd.values()), "state_dict tensors share the parameters' memory"
+    assert all(overlap.storage_key(v) in keys for st in opt.state.values() for v in st.values())
+    w = next(iter(model.parameters()))
+    assert overlap.storage_key(w[0]) in keys, "a view shares its base's storage"
+    assert overlap.storage_key(w.clone()) not in keys
+
+
+def test_without_guard_saves_are_strict_and_stager_never_starts(tier_config):
+    model, opt = trained_model("cpu", steps=1)
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.save(1, _state(model, opt)).wait()
+        assert not any(t.name == "tiered-stager" for t in threading.enumerate())
+
+
+@pytest.mark.gpu
+def test_too_much_unguarded_state_falls_back_to_strict(tier_config, monkeypatch, caplog):
+    monkeypatch.setattr(overlap, "CLONE_LIMIT", 1 << 20)
+    model, opt = trained_model("cuda", steps=1)
+    loose = torch.randn(1 << 20, device="cuda")  # 4 MiB, not the optimizer's
+    with tiered.Engine.from_config(tier_config()) as engine, caplog.at_level(logging.WARNING, "tiered"):
+        engine.guard(opt)
+        state = {"model": model.state_dict(), "loose": loose}
+        want = _copy(state)
+        engine.save(1, state)
+        loose.zero_()  # on the training stream: ordered after the strict save's reads
+        engine.wait()
+        assert _equal(engine.load(1, device="cuda"), want)
+    assert "staged strictly" in caplog.text and "not guarded by an optimizer" in caplog.text
