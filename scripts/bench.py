@@ -43,21 +43,27 @@ from gptmodel import GPT, batch as batch_of, shape_for, stdlib_corpus  # noqa: E
 
 
 def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: int = 0):
-    """Train a fresh model `steps` steps; returns (model, optimizer, info, step function)."""
+    """Train a fresh model `steps` steps; returns (model, optimizer, info, step function, kit):
+    `kit["make_model"]()` builds another model of the same shape, `kit["forward_backward"](m)`
+    runs one forward and backward of model `m` on the same data (scale mode's replicas)."""
     torch.manual_seed(seed)
     d, layers, heads = shape_for(params)
     model = GPT(d, layers, heads, ctx).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     data = stdlib_corpus(64 << 20 if device == "cuda" else 4 << 20).to(device)
 
+    def forward_backward(m) -> torch.Tensor:
+        x, y = batch_of(data, ctx, batch)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=True):
+            loss = F.cross_entropy(m(x).float().view(-1, 256), y.view(-1))
+        loss.backward()
+        return loss
+
     def step_fn(before_update=None) -> torch.Tensor:
         """One training step; `before_update()`, if given, runs between backward and optimizer.step
         (where a checkpointer that overlaps the step must have finished reading the state)."""
-        x, y = batch_of(data, ctx, batch)
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=True):
-            loss = F.cross_entropy(model(x).float().view(-1, 256), y.view(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = forward_backward(model)
         if before_update is not None:
             before_update()
         opt.step()
@@ -70,8 +76,9 @@ def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: in
     if device == "cuda":
         torch.cuda.synchronize()
     n = sum(p.numel() for p in model.parameters())
+    kit = {"make_model": lambda: GPT(d, layers, heads, ctx).to(device), "forward_backward": forward_backward}
     return model, opt, dict(params=n, width=d, layers=layers, train_steps=steps, final_loss=round(loss.item(), 3),
-                            train_s=round(time.perf_counter() - t0, 1)), step_fn
+                            train_s=round(time.perf_counter() - t0, 1)), step_fn, kit
 
 
 def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode: str) -> dict:
@@ -233,15 +240,19 @@ def main() -> int:
     ap.add_argument("--free-gb", type=float, default=6.0, help="scale mode: GPU memory left free by the ballast")
     ap.add_argument("--saves", type=int, default=3, help="scale mode: saves per method (the first one cold)")
     ap.add_argument("--window-steps", type=int, default=6, help="scale mode: training steps per measured window")
-    ap.add_argument("--methods", default="tiered,dcp_pinned,dcp_stager,torch_save",
+    ap.add_argument("--methods", default="tiered,tiered_overlap,dcp_pinned,dcp_stager,torch_save",
                     help="scale mode: which rows, in order")
+    ap.add_argument("--train", choices=("all", "one"), default="all",
+                    help="scale mode: every replica is a model that trains (a step of the compute such a state "
+                         "implies: all forwards and backwards, then all optimizer steps), or only replica 0 does "
+                         "and the others are static clones (runs 51-53)")
     args = ap.parse_args()
     dev = args.device
     params = args.params or (200e6 if dev == "cuda" else 3e6)
     steps = args.train_steps if args.train_steps is not None else (200 if dev == "cuda" else 20)
     ctx, batch = (256, 16) if dev == "cuda" else (128, 8)
 
-    model, opt, info, step_fn = train(dev, params, steps, ctx, batch)
+    model, opt, info, step_fn, kit = train(dev, params, steps, ctx, batch)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     info.update(device=torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
@@ -256,7 +267,7 @@ def main() -> int:
     import baselines
 
     if args.scale:
-        return scale_mode(args, state, step_fn, dev, root, results)
+        return scale_mode(args, scale_live(args, model, opt, step_fn, kit), dev, root, results)
 
     results["ceilings"] = {"disk": baselines.disk_ceilings(root / "ceiling", (2 << 30) if dev == "cuda" else (256 << 20))}
     if dev == "cuda":
@@ -309,7 +320,16 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def scale_mode(args, live: dict, step_fn, dev: str, root: Path, results: dict) -> int:
+def scale_live(args, model, opt, step_fn, kit):
+    """The live replica(s) scale mode builds its state from (scripts/scale.py)."""
+    import scale
+
+    if args.train == "one":
+        return scale.Live({"model": model.state_dict(), "optim": opt.state_dict()}, step_fn, [opt])
+    return scale.TrainedReplicas(model, opt, kit["make_model"], kit["forward_backward"])
+
+
+def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
     """Each size of --scale in turn (scripts/scale.py), then the tables; JSON to --out."""
     import baselines
     import scale
@@ -323,7 +343,7 @@ def scale_mode(args, live: dict, step_fn, dev: str, root: Path, results: dict) -
 
     results["scale"] = []
     for size in (float(x) for x in args.scale.split(",")):
-        out = scale.run_size(size, live, step_fn, dev, root, free_gb=args.free_gb, saves=args.saves,
+        out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
                              drop_caches=drop_caches, ceilings=ceilings,
                              progress=lambda partial: args.out and Path(args.out).write_text(
