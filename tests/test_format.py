@@ -55,7 +55,7 @@ def test_version_1_manifests_without_a_checksum_are_still_read(saved):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(version=2), "format version 2 is not supported"),
+    (lambda d: d.update(version=3), "format version 3 is not supported"),
     (lambda d: d.update(format="zip"), "not a tiered-index"),
     (lambda d: d.update(data_file="../../etc/passwd"), "not a plain file name"),
     (lambda d: d.update(data_file="/etc/passwd"), "not a plain file name"),

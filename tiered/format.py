@@ -20,10 +20,14 @@ import torch
 
 from tiered import checksum
 from tiered.errors import CorruptionError, FormatError
-from tiered.tree import walk_leaves
+from tiered.tree import shares, walk_leaves
 from tiered.units import round_up
 
 FORMAT_VERSION = 1
+INDEX_VERSIONS = (1, 2)
+"""Rank index versions this tiered reads. An index is written as version 2 only where its skeleton
+refers to one tensor from several places (tensors that shared memory when saved: tied weights),
+which a version-1 reader would refuse; otherwise as version 1, readable by every release."""
 MANIFEST_VERSION = 2
 """Manifests since version 2 end with their own checksum (`manifest_checksum`); version 1
 manifests, which lack it, are still read."""
@@ -179,7 +183,7 @@ class RankIndex:
 
     def to_json(self) -> bytes:
         doc = {
-            "format": "tiered-index", "version": self.version, "rank": self.rank,
+            "format": "tiered-index", "version": 2 if shares(self.skeleton) else 1, "rank": self.rank,
             "data_file": self.data_file, "data_bytes": self.data_bytes, "chunk_size": self.chunk_size,
             "alignment": ALIGNMENT, "checksum": checksum.NAME, "io": self.io, "skeleton": self.skeleton,
             "tensors": [{
@@ -192,7 +196,7 @@ class RankIndex:
 
     @classmethod
     def from_json(cls, raw: bytes, source: str) -> "RankIndex":
-        doc = _load_json(raw, source, "tiered-index")
+        doc = _load_json(raw, source, "tiered-index", INDEX_VERSIONS)
         v = _Validator(source)
         chunk_size = v.int(doc, "chunk_size", 1, 1 << 30)
         data_bytes = v.int(doc, "data_bytes", 0, 1 << 50)
@@ -213,6 +217,8 @@ class RankIndex:
             refs = sorted(walk_leaves(doc.get("skeleton")))
         except (ValueError, TypeError, RecursionError) as exc:
             raise FormatError(f"{source}: skeleton: {exc}") from None
+        if doc["version"] >= 2:  # a tensor stored once may be referred to from several places
+            refs = sorted(set(refs))
         if refs != list(range(len(tensors))):
             raise FormatError(f"{source}: the skeleton refers to tensors {refs[:5]}... but the index lists {len(tensors)}")
         return cls(rank=v.int(doc, "rank", 0, 1 << 24), data_file=safe_name(doc.get("data_file"), source, "data_file"),

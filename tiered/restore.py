@@ -263,19 +263,32 @@ class Restorer:
         repair = ChunkRepair(step, 0, tier.name, order[i + 1:], self.config.zstd, index.chunk_size)
         _, leaves = tree.flatten(target)
         targets = {tree.path_str(leaf.path): leaf for leaf in leaves}
+        records = {rec.index: rec for rec in index.tensors}
+        try:
+            places = tree.leaf_places(index.skeleton)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise FormatError(f"{tier.describe(step, index_file_name(0))}: skeleton: {exc}") from None
         dests: dict[int, torch.Tensor] = {}
-        for rec in index.tensors:
-            leaf = targets.pop(rec.name, None)
+        given: dict[str, torch.Tensor] = {}
+        """Target tensors that receive a tensor stored once for several places (tied weights
+        restored into a state whose tensors are not tied): copied after decoding."""
+        for name, i in places:
+            rec = records[i]
+            leaf = targets.pop(name, None)
             if leaf is not None:
                 t = leaf.tensor
                 if t.dtype != rec.torch_dtype or tuple(t.shape) != rec.shape:
-                    raise StateDictError(f"{rec.name}: step {step} stores {rec.dtype}{list(rec.shape)}, but the "
+                    raise StateDictError(f"{name}: step {step} stores {rec.dtype}{list(rec.shape)}, but the "
                                          f"state_dict has {dtype_name(t.dtype)}{list(t.shape)}")
                 if not leaf.is_numpy:
-                    dests[rec.index] = t
+                    if i not in dests:
+                        dests[i] = t
+                    elif t.data_ptr() != dests[i].data_ptr() or t.device != dests[i].device:
+                        given[name] = t
                     continue
-            where = device or (leaf.tensor.device if leaf is not None else _saved_device(rec.device))
-            dests[rec.index] = torch.empty(rec.shape, dtype=rec.torch_dtype, device=where)
+            if i not in dests:
+                where = device or (leaf.tensor.device if leaf is not None else _saved_device(rec.device))
+                dests[i] = torch.empty(rec.shape, dtype=rec.torch_dtype, device=where)
         if strict and targets:
             raise StateDictError(f"step {step} has no entry for {summarize(sorted(targets))} of the given state_dict "
                                  "(pass strict=False to leave them as they are)")
@@ -283,12 +296,17 @@ class Restorer:
             self.decode(step, index, dests, tier, repair if repair else None)
         finally:
             repair.close()
+        where_stored = dict(places)
+        for name, t in given.items():
+            t.copy_(dests[where_stored[name]])
         numpy_leaves = {rec.index for rec in index.tensors if rec.is_numpy}
-        try:
-            return tree.decode(index.skeleton,
-                               lambda i: dests[i].numpy() if i in numpy_leaves else dests[i]), tier.name
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise FormatError(f"{tier.describe(step, index_file_name(0))}: skeleton: {exc}") from None
+
+        def leaf_at(i: int, name: str) -> Any:
+            if name in given:
+                return given[name]
+            return dests[i].numpy() if i in numpy_leaves else dests[i]
+
+        return tree.decode_at(index.skeleton, leaf_at), tier.name
 
 
 def _saved_device(device: str) -> torch.device:

@@ -300,7 +300,7 @@ class SavePipeline:
         with self._lock:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
-        skeleton, leaves = tree.flatten(state_dict)
+        skeleton, leaves = tree.flatten(state_dict, share=not rank_only)  # (DCP's items are its own)
         if rank_only:
             self.tier.begin_rank(step, self.rank)
             tier = self.tier

@@ -39,14 +39,33 @@ def path_str(path: KeyPath) -> str:
     return out or "<root>"
 
 
-def flatten(state: Any) -> tuple[Any, list[Leaf]]:
-    """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}."""
+def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
+    """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}.
+
+    With `share`, a tensor that is the same view of the same memory as an earlier one (tied
+    weights: an embedding and an output layer holding one Parameter; one tensor put in the state
+    twice) is not a leaf of its own: the skeleton refers to the earlier leaf again, so it is
+    stored once and loads as one tensor in both places. Views that overlap otherwise (another
+    offset, shape or stride) stay separate leaves."""
     leaves: list[Leaf] = []
-    skeleton = _encode(state, (), leaves)
+    skeleton = _encode(state, (), leaves, {} if share else None)
     return skeleton, leaves
 
 
-def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
+def shares(skeleton: Any) -> bool:
+    """The skeleton refers to some leaf from more than one place (see `flatten(share=True)`)."""
+    refs = list(walk_leaves(skeleton))
+    return len(refs) != len(set(refs))
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same view of the same memory; None for empty tensors."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = None) -> Any:
     if obj is None or isinstance(obj, (str, int)):  # int covers bool
         return obj
     if isinstance(obj, dict):
@@ -58,7 +77,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
                 k_enc = _encode(k, path, [])
             else:
                 raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
-            items.append([k_enc, _encode(v, path + (k,), leaves)])
+            items.append([k_enc, _encode(v, path + (k,), leaves, seen)])
         return {"$odict" if isinstance(obj, OrderedDict) else "$dict": items}
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
@@ -66,6 +85,12 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
         if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             raise StateDictError(f"{path_str(path)}: tensor subclass {type(obj).__name__} is not supported "
                                  "(DTensor support goes through tiered.dcp)")
+        if seen is not None:
+            key = _view_key(obj)
+            if key is not None:
+                if key in seen:
+                    return {"$tensor": seen[key]}
+                seen[key] = len(leaves)
         leaves.append(Leaf(path, obj.detach() if obj.requires_grad else obj, False))
         return {"$tensor": len(leaves) - 1}
     if isinstance(obj, np.ndarray):
@@ -76,7 +101,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"$float": repr(obj)}
     if isinstance(obj, np.generic):
-        return {"$np": obj.dtype.str, "v": _encode(obj.item(), path, leaves)}
+        return {"$np": obj.dtype.str, "v": _encode(obj.item(), path, leaves, seen)}
     if isinstance(obj, bytes):
         return {"$bytes": base64.b64encode(obj).decode()}
     if isinstance(obj, torch.dtype):
@@ -86,9 +111,9 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
     if isinstance(obj, torch.Size):
         return {"$size": list(obj)}
     if isinstance(obj, list):
-        return [_encode(v, path + (i,), leaves) for i, v in enumerate(obj)]
+        return [_encode(v, path + (i,), leaves, seen) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"$tuple": [_encode(v, path + (i,), leaves) for i, v in enumerate(obj)]}
+        return {"$tuple": [_encode(v, path + (i,), leaves, seen) for i, v in enumerate(obj)]}
     raise StateDictError(
         f"{path_str(path)}: cannot checkpoint an object of type {type(obj).__module__}.{type(obj).__qualname__}; "
         "supported: tensors, numpy arrays, dict/list/tuple, str/int/float/bool/None/bytes, torch dtype/device/Size. "
@@ -97,25 +122,41 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf]) -> Any:
 
 def decode(skeleton: Any, leaf: Any) -> Any:
     """Rebuild the object tree; `leaf(i)` supplies leaf i (a tensor or numpy array)."""
-    return _decode(skeleton, leaf)
+    return _decode(skeleton, lambda i, path: leaf(i), ())
 
 
-def _decode(node: Any, leaf: Any) -> Any:
+def decode_at(skeleton: Any, leaf: Any) -> Any:
+    """`decode`, with `leaf(i, name)` told where in the tree (`path_str`) leaf i goes."""
+    return _decode(skeleton, lambda i, path: leaf(i, path_str(path)), ())
+
+
+def leaf_places(skeleton: Any) -> list[tuple[str, int]]:
+    """(name, leaf index) of every place the skeleton refers to a leaf, in decode order."""
+    out: list[tuple[str, int]] = []
+    decode_at(skeleton, lambda i, name: out.append((name, i)))
+    return out
+
+
+def _decode(node: Any, leaf: Any, path: KeyPath) -> Any:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
-        return [_decode(v, leaf) for v in node]
+        return [_decode(v, leaf, path + (i,)) for i, v in enumerate(node)]
     if not isinstance(node, dict) or len(node) not in (1, 2):
         raise ValueError(f"malformed skeleton node {str(node)[:80]}")
     tag = next(iter(node))
     val = node[tag]
     if tag == "$tensor":
-        return leaf(_index(val))
+        return leaf(_index(val), path)
     if tag in ("$dict", "$odict"):
         cls = OrderedDict if tag == "$odict" else dict
-        return cls((_decode(k, leaf), _decode(v, leaf)) for k, v in val)
+        out = cls()
+        for k, v in val:
+            key = _decode(k, _no_tensor, path)
+            out[key] = _decode(v, leaf, path + (key,))
+        return out
     if tag == "$tuple":
-        return tuple(_decode(v, leaf) for v in val)
+        return tuple(_decode(v, leaf, path + (i,)) for i, v in enumerate(val))
     if tag == "$float":
         if val not in ("nan", "inf", "-inf"):
             raise ValueError(f"bad float {val!r}")
@@ -124,7 +165,7 @@ def _decode(node: Any, leaf: Any) -> Any:
         dtype = np.dtype(val)
         if dtype.kind not in "biufc":
             raise ValueError(f"numpy scalar of dtype {val!r} is not plain data")
-        return dtype.type(_decode(node["v"], leaf))
+        return dtype.type(_decode(node["v"], leaf, path))
     if tag == "$bytes":
         return base64.b64decode(val, validate=True)
     if tag == "$dtype":
@@ -137,6 +178,10 @@ def _decode(node: Any, leaf: Any) -> Any:
     if tag == "$size":
         return torch.Size(val)
     raise ValueError(f"unknown skeleton tag {tag!r}")
+
+
+def _no_tensor(i: int, path: KeyPath) -> Any:
+    raise ValueError(f"{path_str(path)}: a dict key refers to a tensor")
 
 
 def _index(val: Any) -> int:
