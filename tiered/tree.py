@@ -62,7 +62,7 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensors the same view of the same memory; None for empty tensors."""
     if t.numel() == 0:
         return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+    return t.data_ptr(), t.device, t.dtype, t.shape, t.stride()  # (the address of its first element)
 
 
 def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = None) -> Any:
