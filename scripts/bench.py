@@ -248,6 +248,14 @@ def main() -> int:
                          "and the others are static clones (runs 51-53)")
     args = ap.parse_args()
     dev = args.device
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the scale mode, every rank one GPU
+        if not args.scale:
+            ap.error("under torchrun only the scale mode runs (--scale)")
+        import torch.distributed as dist
+
+        if dev == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     params = args.params or (200e6 if dev == "cuda" else 3e6)
     steps = args.train_steps if args.train_steps is not None else (200 if dev == "cuda" else 20)
     ctx, batch = (256, 16) if dev == "cuda" else (128, 8)
@@ -262,7 +270,8 @@ def main() -> int:
           f"trained {steps} steps in {info['train_s']} s, loss {info['final_loss']}", flush=True)
     results: dict = {"info": info}
     root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
+    if not args.scale or int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
     import baselines
 
@@ -341,20 +350,25 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
             out["d2h_pinned_gbps"] = baselines.d2h_pinned_gbps()
         return out
 
+    lead = scale.rank() == 0  # under torchrun, rank 0 reports for all ranks (scripts/scale.py)
     results["scale"] = []
+    results["info"]["ranks"] = scale.world()
     for size in (float(x) for x in args.scale.split(",")):
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
                              drop_caches=drop_caches, ceilings=ceilings,
-                             progress=lambda partial: args.out and Path(args.out).write_text(
+                             progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
         results["scale"].append(out)
-        scale.print_size(out)
-        if args.out:  # after each size: a later size that dies keeps the earlier ones
+        if lead:
+            scale.print_size(out)
+        if args.out and lead:  # after each size: a later size that dies keeps the earlier ones
             Path(args.out).write_text(json.dumps(results, indent=1))
         if dev == "cuda":
             torch.cuda.empty_cache()
-    shutil.rmtree(root, ignore_errors=True)
+    scale.barrier()
+    if lead:
+        shutil.rmtree(root, ignore_errors=True)
     exact = [r["restore_bit_exact"] for out in results["scale"] for r in out["rows"] if not r["error"]]
     return 0 if exact and all(exact) else 1
 

@@ -25,6 +25,13 @@ free. Side by side, one method after another on the same state and disk:
                optimizer step (a failure, e.g. on torch versions where it crashes, is reported)
   torch_save   torch.save + fsync (synchronous)
 
+Under torchrun (`torchrun --nproc-per-node 2 scripts/bench.py --scale 24 ...`) every rank builds
+its own state of that size on its own GPU, all ranks write to one disk, each training step ends
+with an all-reduce (ranks step together, as data-parallel training does), tiered saves through
+`Engine.save` (its distributed path) and DCP through its process group; rank 0 reports each
+save's slowest rank (stall, call, durable, restore), the GPU memory of the rank that took most,
+and the host memory and stored bytes of all ranks together.
+
 For each: the training stall as the loop feels it (the wall time of a window of real training
 steps, forward + backward + optimizer step, that contains one save, minus the median of the same
 window without a save), next to the save call's own time; time to durable (from the call until
@@ -51,6 +58,51 @@ import tiered
 from baselines import dir_bytes
 
 GiB = 1 << 30
+
+
+# --- ranks (torchrun) -----------------------------------------------------------------------
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def world() -> int:
+    d = _dist()
+    return d.get_world_size() if d else 1
+
+
+def barrier() -> None:
+    d = _dist()
+    if d and d.get_world_size() > 1:
+        d.barrier()
+
+
+def gather(obj: Any) -> list:
+    """`obj` of every rank, on every rank."""
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * d.get_world_size()
+    d.all_gather_object(out, obj)
+    return out
+
+
+def say(msg: str) -> None:
+    """A progress line, marked with the rank under torchrun."""
+    print(msg if world() == 1 else f"[rank {rank()}] {msg}", flush=True)
+
+
+def lockstep(device: str) -> None:
+    """Ranks step together: an all-reduce of one number, as data-parallel training does per step."""
+    d = _dist()
+    if d and d.get_world_size() > 1:
+        d.all_reduce(torch.ones(1, device=device))
 
 
 # --- the state -------------------------------------------------------------------------------
@@ -185,6 +237,7 @@ class Window:
                 hook = lambda r=result: before_update(r)  # noqa: E731
         for _ in range(self.steps):
             self.step_fn(before_update=hook)
+            lockstep(self.device)
             hook = None
         sync(self.device)
         return time.perf_counter() - t0, call, result
@@ -227,6 +280,30 @@ class Row:
                 "restore_s": self.restore_s, "restore_bit_exact": self.exact, **self.extra}
 
 
+def combine(rows: list[dict]) -> dict:
+    """One row for all ranks (`Row.summary()` of each): every save's slowest rank, the GPU memory of
+    the rank that took most, the host memory of all; stored bytes of all where each rank wrote its
+    own file (else every rank reports the step's); the slowest restore, bit-exact on every rank."""
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    row = Row(first["name"], first["note"])
+    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(rows) if r["error"]]
+    row.error = "; ".join(errors) or None
+    n = min(len(r["saves"]) for r in rows)
+    row.saves = [{k: max(r["saves"][j][k] for r in rows) for k in first["saves"][j]} for j in range(n)]
+    row.gpu_taken = max(r["gpu_taken_bytes"] for r in rows)
+    row.host_taken = sum(r["host_taken_bytes"] for r in rows)
+    row.stored = sum(r["stored_bytes"] for r in rows) if first.get("stored_per_rank") else first["stored_bytes"]
+    restores = [r["restore_s"] for r in rows]
+    row.restore_s = None if None in restores else max(restores)
+    exact = [r["restore_bit_exact"] for r in rows]
+    row.exact = None if None in exact else all(exact)
+    known = set(Row("", "").summary())
+    row.extra = {k: v for k, v in first.items() if k not in known}
+    return row.summary()
+
+
 def _done_at(fut: Any) -> list[float]:
     """A one-element list that receives the time `fut` completes (a concurrent or torch future)."""
     box: list[float] = []
@@ -254,15 +331,17 @@ def measure(row: Row, state: dict, window: Window, base: float, saves: int, save
 
         if k == saves - 1:
             prints = fingerprint(state)
+        barrier()
         secs, call, result = window.run(start, before_update)
         low = min(low, gpu_free(device))
         done = durable(result)
         low = min(low, gpu_free(device))
         row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
         if k:
+            barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
-        print(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
-              f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s", flush=True)
+        say(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
+            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s")
     return prints
 
 
@@ -271,6 +350,7 @@ def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches:
     zero_(state)
     drop_caches()
     sync(device)
+    barrier()
     t0 = time.perf_counter()
     load()
     sync(device)
@@ -306,7 +386,7 @@ def _engine(run: Run) -> Any:
         engine.reserve(run.state)  # the start-up line that keeps pinning off the first save
         engine.wait_pinned()
         run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0)
-        print(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s", flush=True)
+        say(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s")
     return engine
 
 
@@ -314,7 +394,9 @@ def close_shared(run: Run) -> None:
     engine = run.shared.pop("engine", None)
     if engine is not None:
         engine.close()
-    shutil.rmtree(run.root / "tiered", ignore_errors=True)
+        barrier()
+        if rank() == 0:
+            shutil.rmtree(run.root / "tiered", ignore_errors=True)
 
 
 def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
@@ -335,17 +417,19 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
         return box[0]
 
     prints = measure(row, run.state, run.window, base, run.saves, save, durable, run.device,
-                     lambda n: engine.catalog.fast.delete(first_step + n))
+                     lambda n: rank() == 0 and engine.catalog.fast.delete(first_step + n))
     row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
     row.extra["pin_s"] = run.shared["pin_s"]
     warm = [h.timings for step, (h, _) in sorted(handles.items())][1:]
     row.extra["save_timings_ms"] = {k: round(statistics.median(t.get(k, 0.0) for t in warm), 1)
                                     for k in (warm[0] if warm else {})}
-    print(f"#   {row.name} save() phases, warm median ms: {row.extra['save_timings_ms']}", flush=True)
+    say(f"#   {row.name} save() phases, warm median ms: {row.extra['save_timings_ms']}")
     last = first_step + run.saves
     row.stored = engine.read_index(last)[0].stored_bytes
     restore_check(row, run.state, prints, run.device, run.drop_caches, lambda: engine.restore(run.state, step=last))
-    engine.catalog.fast.delete(last)
+    barrier()
+    if rank() == 0:
+        engine.catalog.fast.delete(last)
 
 
 def run_tiered(row: Row, run: Run, base: float) -> None:
@@ -370,8 +454,16 @@ def _dcp_row(row: Row, run: Run, base: float, stager: Any) -> None:
     writer = dcp.FileSystemWriter(str(root / "0"), cache_staged_state_dict=stager is None and device == "cuda")
     pending: dict[int, Any] = {}
 
+    kwargs: dict = {"async_stager": stager} if stager is not None else {}
+    d = _dist()
+    if d and d.get_world_size() > 1:
+        # The background save's collectives get a gloo group of their own, as TorchTitan does: on
+        # the default group they would interleave with training's and deadlock.
+        if "ckpt_group" not in run.shared:
+            run.shared["ckpt_group"] = d.new_group(backend="gloo")
+        kwargs["process_group"] = run.shared["ckpt_group"]
+
     def save(n: int):
-        kwargs = {"async_stager": stager} if stager is not None else {}
         resp = dcp.async_save(run.state, checkpoint_id=str(root / str(n)), storage_writer=writer, **kwargs)
         fut = getattr(resp, "upload_completion", resp)
         pending[n] = (fut, _done_at(fut))
@@ -390,12 +482,15 @@ def _dcp_row(row: Row, run: Run, base: float, stager: Any) -> None:
             resp.staging_completion.result()
 
     prints = measure(row, run.state, run.window, base, run.saves, save, durable, device,
-                     lambda n: shutil.rmtree(root / str(n), ignore_errors=True),
+                     lambda n: rank() == 0 and shutil.rmtree(root / str(n), ignore_errors=True),
                      staged if stager is not None else None)
     last = root / str(run.saves)
+    barrier()
     row.stored = dir_bytes(last)
     restore_check(row, run.state, prints, device, run.drop_caches, lambda: dcp.load(run.state, checkpoint_id=str(last)))
-    shutil.rmtree(root, ignore_errors=True)
+    barrier()
+    if rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def run_dcp_pinned(row: Row, run: Run, base: float) -> None:
@@ -419,7 +514,7 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
     def save(n: int):
-        path = root / f"{n}.pt"
+        path = root / f"{n}.rank{rank()}.pt"
         torch.save(run.state, path)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
@@ -427,9 +522,10 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
         return time.perf_counter()
 
     prints = measure(row, run.state, run.window, base, run.saves, save, lambda done: done, run.device,
-                     lambda n: (root / f"{n}.pt").unlink(missing_ok=True))
-    path = root / f"{run.saves}.pt"
+                     lambda n: (root / f"{n}.rank{rank()}.pt").unlink(missing_ok=True))
+    path = root / f"{run.saves}.rank{rank()}.pt"
     row.stored = path.stat().st_size
+    row.extra["stored_per_rank"] = True  # each rank its own file
 
     def load() -> None:
         loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
@@ -437,7 +533,9 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
             dst.copy_(src)
 
     restore_check(row, run.state, prints, run.device, run.drop_caches, load)
-    shutil.rmtree(root, ignore_errors=True)
+    barrier()
+    if rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 METHODS = {
@@ -456,6 +554,9 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
              progress: Callable[[dict], None] = lambda out: None) -> dict:
     """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
     state, step_fn, optimizers = live.build(int(size_gb * 1e9))
+    replicas = len(state)
+    if world() > 1:  # each rank's own shard, as under FSDP: DCP would otherwise save replicated keys once
+        state = {f"rank{rank()}": state}
     state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
     ballast = None
     step_fn()  # activations and gradients allocated before the ballast is sized
@@ -466,10 +567,13 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         if want > 0:
             ballast = torch.empty(want, dtype=torch.uint8, device=device)
     out: dict = {"state_gb": round(state_bytes / 1e9, 2), "tensors": len(tensors_of(state)),
-                 "replicas": len(state), "gpu_free_gb": round(gpu_free(device) / GiB, 2)}
-    print(f"# scale {size_gb} GB: {out}", flush=True)
-    out["ceilings"] = ceilings(min(state_bytes, 8 << 30))
-    print(f"# ceilings: {out['ceilings']}", flush=True)
+                 "replicas": replicas, "gpu_free_gb": round(gpu_free(device) / GiB, 2)}
+    say(f"# scale {size_gb} GB: {out}")
+    out["ranks"] = world()
+    barrier()  # one rank measures the disk's ceilings, alone on it
+    out["ceilings"] = gather(ceilings(min(state_bytes, 8 << 30)) if rank() == 0 else None)[0]
+    if rank() == 0:
+        say(f"# ceilings: {out['ceilings']}")
     window = Window(step_fn, device, window_steps)
     out["window_ms"] = round(1e3 * window.baseline(), 1)
     run = Run(state, window, saves, root, device, drop_caches, optimizers)
@@ -484,9 +588,9 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
                 fn(row, run, window.baseline())
             except Exception as exc:  # noqa: BLE001 - reported as the row's result (with the saves it made), honestly
                 row.error = f"{type(exc).__name__}: {exc}"[:400]
-                print(f"#   {name} FAILED: {row.error}", flush=True)
+                say(f"#   {name} FAILED: {row.error}")
                 shutil.rmtree(root / name, ignore_errors=True)
-            rows.append(row.summary())
+            rows.append(combine(gather(row.summary())))
             out["rows"] = rows
             progress(out)
             if not any(m.startswith("tiered") for m in methods[k + 1:]):
@@ -531,7 +635,8 @@ def targets(out: dict) -> dict:
 
 
 def print_size(out: dict) -> None:
-    print(f"\n## scale: {out['state_gb']} GB state ({out['tensors']} tensors, {out['replicas']} replicas), "
+    print(f"\n## scale: {out['state_gb']} GB state{' per rank, %d ranks' % out['ranks'] if out.get('ranks', 1) > 1 else ''} "
+          f"({out['tensors']} tensors, {out['replicas']} replicas), "
           f"{out['gpu_free_gb']} GiB GPU memory free, window of training steps {out['window_ms']} ms")
     c = out["ceilings"]
     disk = c.get("disk", {})
