@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Chart of scale-mode results (`bench.py --scale`): how the training stall, the time to durable
+and the cold restore grow with the state, one line per method, one point per state size.
+
+    pip install 'tiered[bench]'   # matplotlib
+    python scripts/chart_scale.py OUT.png RUN.json [RUN.json ...]
+
+Every size of every file given is a point; where two files hold the same method at the same
+size, the later file wins. Warm medians; a failed row is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+COLORS = {"tiered": "#76b900", "tiered_overlap": "#2f6b00", "dcp_pinned": "#1f77b4", "dcp_stager": "#9467bd",
+          "torch_save": "#999999"}
+
+
+def points(files: list[Path]) -> tuple[dict[str, dict[float, dict]], list[str]]:
+    """({method: {state GB: {stall_ms, durable_s, restore_s}}}, a caption per file)."""
+    series: dict[str, dict[float, dict]] = {}
+    captions = []
+    for path in files:
+        results = json.loads(path.read_text())
+        info = results.get("info", {})
+        sizes = []
+        for out in results.get("scale", []):
+            sizes.append(out["state_gb"])
+            for r in out.get("rows", []):
+                if r.get("error") or not r.get("warm_stall_ms"):
+                    continue
+                series.setdefault(r["name"], {})[out["state_gb"]] = {
+                    "stall_ms": r["warm_stall_ms"]["median"], "durable_s": r["warm_durable_s"]["median"],
+                    "restore_s": r.get("restore_s")}
+        ranks = info.get("ranks", 1)
+        captions.append(f"{path.stem}: {info.get('device', '?')}, {info.get('date', '?')}, "
+                        f"{', '.join(f'{s:g}' for s in sizes)} GB{f' x {ranks} ranks' if ranks > 1 else ''}")
+    return series, captions
+
+
+def main() -> int:
+    if len(sys.argv) < 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series, captions = points([Path(p) for p in sys.argv[2:]])
+    if not series:
+        print("no scale rows in the files given", file=sys.stderr)
+        return 1
+    panels = [("stall_ms", "training stall per save, ms (warm median)", True),
+              ("durable_s", "time to durable, s (warm median)", False),
+              ("restore_s", "cold restore, s", False)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    for ax, (key, title, log) in zip(axes, panels):
+        for name, by_size in sorted(series.items()):
+            xs = sorted(s for s, v in by_size.items() if v[key] is not None)
+            if not xs:
+                continue
+            ys = [by_size[s][key] for s in xs]
+            ax.plot(xs, ys, marker="o", label=name.replace("_", " "), color=COLORS.get(name))
+        ax.set_xlabel("state per GPU, GB")
+        ax.set_title(title, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+            ax.axhline(50, color="black", linestyle=":", linewidth=1)
+            ax.text(ax.get_xlim()[0], 50, " 50 ms target", fontsize=8, va="bottom")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("; ".join(captions), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(sys.argv[1], dpi=120)
+    print(f"wrote {sys.argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
