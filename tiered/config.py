@@ -11,7 +11,7 @@ embedded default (``./.tiered/...``) lands beside the training script.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Union
@@ -111,13 +111,16 @@ class Config:
     chunk_size: int = 1024 * 1024
     budgets: Budgets = Budgets()
     zstd: ZstdSettings = ZstdSettings()
-    migration: str = "in_process"
-    """"in_process": a background thread of the training process copies each committed step down
-    the tiers; "external": another process does (the engine only writes the fast tier)."""
+    migration: str = "process"
+    """"process": a child process of the engine copies each committed step down the tiers
+    (tiered.migration_process); "in_process": a background thread of the training process does;
+    "external": another process does (the engine only writes the fast tier)."""
     on_fast_tier_error: str = "fail"
     """"fail": a save the fast tier cannot take fails with an error naming the cause. "next_tier":
     it is written to the next tier instead (see Engine.save)."""
     tiers: tuple[TierConfig, ...]
+    document: Any = field(default=None, compare=False, repr=False)
+    """The parsed YAML (or dict) this config was read from: what a child process reads it from."""
 
     @property
     def fast_tier(self) -> LocalTierConfig:
@@ -228,9 +231,9 @@ def _parse(data: object, source: str) -> Config:
         raise top.error("chunk_size", f"must be a multiple of 4KiB between 64KiB and 64MiB, got {chunk_size}")
     budgets = _parse_budgets(top.get("budgets", {}), source, chunk_size)
     zstd = _parse_codecs(top.get("codecs", {}), source)
-    migration = top.typed("migration", str, "in_process")
-    if migration not in ("in_process", "external"):
-        raise top.error("migration", f"expected in_process or external, got {migration!r}")
+    migration = top.typed("migration", str, "process")
+    if migration not in ("process", "in_process", "external"):
+        raise top.error("migration", f"expected process, in_process or external, got {migration!r}")
     on_error = top.typed("on_fast_tier_error", str, "fail")
     if on_error not in ("fail", "next_tier"):
         raise top.error("on_fast_tier_error", f"expected fail or next_tier, got {on_error!r}")
@@ -248,7 +251,7 @@ def _parse(data: object, source: str) -> Config:
         if name in names[:i]:
             raise ConfigError(f"{source}: tiers[{i}].name: duplicate tier name {name!r}")
     return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration,
-                  on_fast_tier_error=on_error, tiers=tiers)
+                  on_fast_tier_error=on_error, tiers=tiers, document=data)
 
 
 def _parse_budgets(data: object, source: str, chunk_size: int) -> Budgets:

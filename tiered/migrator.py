@@ -485,8 +485,11 @@ class BackgroundMigrator:
     `tiered migrate`, resumes them).
     """
 
-    def __init__(self, config: Any, get_tier: Callable[[str], Any], make_gpu: Callable[[], "GpuRecoder | None"]):
+    def __init__(self, config: Any, get_tier: Callable[[str], Any], make_gpu: Callable[[], "GpuRecoder | None"],
+                 on_event: Callable[[str, int, str], None] = lambda kind, step, detail: None):
         self._config, self._get_tier = config, get_tier
+        self._on_event = on_event
+        """Told ("resumed" | "done" | "failed", step, detail) as they happen (tiered.migration_process)."""
         # Training owns the machine: a quarter of the cores, at lower CPU priority (measured:
         # migrating with every core slowed a training step by half; docs/benchmarks.md).
         self._pool = ThreadPoolExecutor(max_workers=background_threads(), initializer=lower_priority,
@@ -513,6 +516,14 @@ class BackgroundMigrator:
                 return
             self._pending.add(step)
         self._queue.put(step)
+
+    def holder(self) -> str:
+        """Who holds the fast tier's migration lock (a pid), when this migrator is not `active`."""
+        return self._migration_lock.holder()
+
+    def scanned(self, timeout: float | None = None) -> bool:
+        """The start-up is over: the lock taken (or not: `active`) and unfinished steps queued."""
+        return self._scanned.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted step is on every tier (failed steps count as pending while
@@ -562,6 +573,7 @@ class BackgroundMigrator:
                 return
             for step in pending_steps(self._config, self._get_tier):  # an earlier run's unfinished work
                 log.info("tiered: resuming migration of step %d", step)
+                self._on_event("resumed", step, "")
                 self.submit(step)
         except Exception as exc:  # noqa: BLE001 - e.g. S3 unreachable now; new steps still queue
             log.error("tiered: cannot list the tiers to resume migrations: %r", exc)
@@ -581,9 +593,11 @@ class BackgroundMigrator:
                 log.error("tiered: migration of step %d failed (attempt %d; it stays on the faster tiers, "
                           "retried in %g s): %s", step, n, delay, exc)
                 self._fail(exc)
+                self._on_event("failed", step, str(exc))
                 continue
             with self._lock:
                 self._pending.discard(step)
+            self._on_event("done", step, "")
             if self._failures.pop(step, 0):
                 log.info("tiered: step %d migrated after earlier failures", step)
             try:

@@ -1,0 +1,216 @@
+"""`migration: process` (the default): the engine's migrator runs in a child process of its own.
+
+Migration decodes, recompresses and writes whole checkpoints; on threads of the training process
+it contends with training for the GIL (a step ran 30-125% slower while a step migrated:
+docs/benchmarks.md). In a child process it cannot, and it runs at a lower CPU priority (nice +10)
+on a quarter of the cores.
+
+The child is `python -m tiered.migration_process`. It runs a `tiered.migrator.BackgroundMigrator`
+(the same code as `migration: in_process`: one migrator per fast tier by its lock file, steps an
+earlier run left unmigrated resumed, failed steps retried with backoff) and talks to the engine
+over pipes, one line each:
+
+    engine -> child (stdin):    a committed step number; end of file: finish the queue and exit
+    child -> engine (stdout):   {"ready": true} | {"inactive": holder} | {"resumed"|"done"|"failed": step, ...}
+
+Supervision: if the child dies (killed, out of memory), the engine logs it, reports it through
+`Engine.wait_migrated()`, and starts a new one after 1 s (doubling to 60 s), which resumes the
+unfinished steps; a copy cut off leaves nothing partial (each step is committed on a tier last).
+`close()` closes the child's stdin and waits for it to finish the queue. If the training process
+is killed, the child (in a session of its own, so a Ctrl-C or SIGTERM to the job's process group
+does not reach it) sees its stdin close and finishes the queue the same way; what it cannot
+finish, the next engine or `tiered migrate` resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from tiered.errors import TieredError
+
+log = logging.getLogger("tiered")
+
+EXIT_INACTIVE = 3
+"""The child's exit status when another migrator holds the fast tier's lock."""
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 60.0
+
+
+class MigratorProcess:
+    """The interface of `BackgroundMigrator` (`submit`, `wait`, `stop`, `active`), its work done by
+    a supervised child process."""
+
+    def __init__(self, config: Any):
+        self._config_json = json.dumps(config.document, default=str)
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()
+        self._error: BaseException | None = None
+        self._scanned = threading.Event()
+        self._stopping = False
+        self.active = True
+        self.pid: int | None = None
+        """The child's process id (a new one after a restart)."""
+        self._proc: subprocess.Popen | None = None
+        self._start()
+        self._watch = threading.Thread(target=self._supervise, name="tiered-migrator-watch", daemon=True)
+        self._watch.start()
+
+    def _start(self) -> None:
+        env = dict(os.environ, TIERED_MIGRATOR_CONFIG=self._config_json)
+        self._proc = subprocess.Popen([sys.executable, "-m", "tiered.migration_process"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, bufsize=1, env=env, start_new_session=True)
+        self.pid = self._proc.pid
+        with self._lock:
+            pending = sorted(self._pending)
+        for step in pending:
+            self._send(step)
+
+    def _send(self, step: int) -> None:
+        proc = self._proc
+        try:
+            assert proc is not None and proc.stdin is not None
+            proc.stdin.write(f"{step}\n")
+            proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the child is gone: the supervisor starts another and sends it the pending steps
+
+    def submit(self, step: int) -> None:
+        with self._lock:
+            if step in self._pending or not self.active:
+                return
+            self._pending.add(step)
+        self._send(step)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every submitted step is on every tier; raise the first failure since the
+        last call (a failed step stays pending while the child retries it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._scanned.wait(timeout)
+        while True:
+            with self._lock:
+                busy = sorted(self._pending)
+                err, self._error = self._error, None
+            if err is not None:
+                raise TieredError(f"migration failed: {err}") from err
+            if not busy:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"steps {busy} are still migrating")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Let the child finish the queue (it retries failed steps only while they are due), then join."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        self._watch.join()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or exc
+
+    def _on_message(self, msg: dict) -> None:
+        if "ready" in msg:
+            self._scanned.set()
+        elif "inactive" in msg:
+            log.warning("tiered: another migrator (pid %s) holds the fast tier's migration lock: this engine leaves "
+                        "migration to it", msg["inactive"])
+            with self._lock:
+                self.active = False
+                self._pending.clear()
+            self._scanned.set()
+        elif "resumed" in msg:
+            with self._lock:
+                self._pending.add(int(msg["resumed"]))
+        elif "done" in msg:
+            with self._lock:
+                self._pending.discard(int(msg["done"]))
+        elif "failed" in msg:
+            self._fail(TieredError(f"step {msg['failed']}: {msg.get('error', '')}"))
+
+    def _supervise(self) -> None:
+        delay = RESTART_FIRST_S
+        while True:
+            proc = self._proc
+            assert proc is not None and proc.stdout is not None
+            for line in proc.stdout:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(msg, dict):
+                    self._on_message(msg)
+                    if "done" in msg:
+                        delay = RESTART_FIRST_S
+            code = proc.wait()
+            if code == EXIT_INACTIVE or (self._stopping and code == 0) or not self.active:
+                self._scanned.set()
+                return
+            if self._stopping:
+                log.error("tiered: the migrator process exited with status %s while finishing its queue: the next "
+                          "engine, or `tiered migrate`, resumes the unfinished steps", code)
+                self._scanned.set()
+                return
+            err = TieredError(f"the migrator process (pid {proc.pid}) exited with status {code}; it is restarted "
+                              f"in {delay:g} s and resumes the unfinished steps")
+            log.error("tiered: %s", err)
+            self._fail(err)
+            time.sleep(delay)
+            delay = min(RESTART_MAX_S, delay * 2)
+            if self._stopping:
+                self._scanned.set()
+                return
+            self._start()
+
+
+def _child() -> int:
+    """The child process: a BackgroundMigrator fed from stdin, reporting on stdout."""
+    from tiered.catalog import TierCatalog
+    from tiered.config import load_config
+    from tiered.migrator import BackgroundMigrator, make_gpu_recoder
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 10)  # training owns the machine
+    except (AttributeError, OSError):
+        pass
+    config = load_config(json.loads(os.environ["TIERED_MIGRATOR_CONFIG"]))
+    out_lock = threading.Lock()
+
+    def say(msg: dict) -> None:
+        with out_lock:
+            try:
+                sys.stdout.write(json.dumps(msg) + "\n")
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass  # the engine is gone: the work goes on
+
+    migrator = BackgroundMigrator(config, TierCatalog(config).get, lambda: make_gpu_recoder(config),
+                                  on_event=lambda kind, step, detail: say({kind: step, "error": detail}))
+    migrator.scanned()
+    if not migrator.active:
+        say({"inactive": migrator.holder()})
+        migrator.stop()
+        return EXIT_INACTIVE
+    say({"ready": True})
+    for line in sys.stdin:
+        line = line.strip()
+        if line.isdigit():
+            migrator.submit(int(line))
+    migrator.stop()  # stdin closed: the engine closed, or died; finish the queue
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())
