@@ -83,13 +83,14 @@ def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: in
 
 def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode: str) -> dict:
     """Training while a migrator copies steps down to a shared tier (recompressing to zstd): the
-    engine's own thread (`in_process`) or a `tiered migrate --follow` daemon (`daemon`). Training
-    step time and save() stall with the migrator busy, against the same with it idle."""
+    engine's child process (`process`, the default), its own thread (`in_process`) or a `tiered
+    migrate --follow` daemon (`daemon`). Training step time and save() stall with the migrator
+    busy, against the same with it idle."""
     import subprocess
 
     import yaml
 
-    cfg = {"migration": "in_process" if mode == "in_process" else "external", "tiers": [
+    cfg = {"migration": {"daemon": "external"}.get(mode, mode), "tiers": [
         {"name": "local", "kind": "local", "path": str(root / "local"), "codec": codec},
         {"name": "shared", "kind": "posix", "path": str(root / "shared"), "codec": "zstd"}]}
     root.mkdir(parents=True, exist_ok=True)
@@ -321,7 +322,7 @@ def main() -> int:
     if dev == "cuda":
         results["interop"] = interop(state, root / "interop")
     results["migration"] = [measure_migration(state, step_fn, dev, root / "migration", codecs[0], mode)
-                            for mode in ("in_process", "daemon")]
+                            for mode in ("process", "in_process", "daemon")]
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
