@@ -3,11 +3,11 @@
 Pure decisions (numbers in, a size and the reason out) plus two small probes of the machine.
 The engine logs each choice once, with the field that overrides it:
 
-- ``host_buffer: auto`` (where CUDA is in use): half of the host's available memory shared by
-  the ranks of this node (``LOCAL_WORLD_SIZE``), at most the GPU's memory (no per-GPU state is
-  larger), at least one pinned block. It is pinned in the background from start-up
-  (tiered.staging), so no save pays for pinning. Without CUDA: plain memory, used as needed,
-  at most 8 GiB.
+- ``host_buffer: auto`` (where CUDA is in use): at most half of the host's available memory
+  shared by the ranks of this node (``LOCAL_WORLD_SIZE``), at most the GPU's memory (no per-GPU
+  state is larger), at least one pinned block. Only what saves need of it is pinned, on a
+  background thread (tiered.staging): as a save first needs it, or at start-up through
+  `Engine.reserve(state)`. Without CUDA: plain memory, used as needed, at most 8 GiB.
 - ``gpu_buffer: auto``: decided at a device's first save, when training has already reserved
   what its steps need: the rows of the whole compressed state if half of the free GPU memory
   (less the engine's other buffers) holds them, otherwise what that half holds, and never less
