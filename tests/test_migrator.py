@@ -159,7 +159,7 @@ def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
 
 def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
     from tiered.format import CodecSpec, TensorRecord
-    from tiered.migrator import _tensor_chunks
+    from tiered.copy_rank import tensor_chunks
     from tiered.config import ZstdSettings
 
     rec = TensorRecord(index=0, name="w", dtype="float32", shape=(10,), device="cuda:0", is_numpy=False,
@@ -170,7 +170,7 @@ def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
         path = "/x/rank_00000.data"
 
     with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
-        list(_tensor_chunks(1, None, types.SimpleNamespace(chunk_size=1 << 20), rec, CodecSpec.of("zstd", shuffle=4),
+        list(tensor_chunks(1, None, types.SimpleNamespace(chunk_size=1 << 20), rec, CodecSpec.of("zstd", shuffle=4),
                                 Reader(), ZstdSettings(), None, None, None))
 
 

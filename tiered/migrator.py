@@ -27,31 +27,22 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 from tiered import checksum
-from tiered.codecs import get_codec, get_codec_class
+from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
-from tiered.cpu import decode_into, pad_extent, read_chunk, read_windows, stored_extent, verified
-from tiered.errors import CodecUnavailableError, TieredError
-from tiered.format import (MAX_INDEX_BYTES, ChunkRecord, CodecSpec, Manifest, RankEntry, RankIndex, TensorRecord,
-                           index_file_name, present_ranks, read_pinned)
+from tiered.copy_rank import GpuRecoder, copy_rank, make_gpu_recoder, target_spec
+from tiered.cpu import read_chunk
+from tiered.errors import TieredError
+from tiered.format import MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_pinned
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
-from tiered.runtime import gpu_stack_available
-from tiered.tiers import WholeFileReader, device_reader
 from tiered.units import format_rate, format_size
 
+__all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLock", "apply_retention", "background_threads",
+           "choose_tier_codec", "lower_priority", "make_gpu_recoder", "migrate_down", "migrate_step", "pending_steps",
+           "retry_delay", "target_spec"]
+
 log = logging.getLogger("tiered")
-
-
-def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
-    """Keep a tensor's chunks when the target tier takes their codec (or `codec` is None);
-    else the tier's codec."""
-    if codec is None or rec.codec.name == codec:
-        return rec.codec
-    return get_codec_class(codec).spec_for(rec.torch_dtype)
 
 
 def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: ZstdSettings = ZstdSettings(),
@@ -79,7 +70,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     try:
         ranks, stored = [], 0
         for entry, index in zip(manifest.ranks, indexes):
-            new_index = _copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
+            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
             raw_index = new_index.to_json()
             dst.write_file(step, entry.index_file, raw_index)
             stored += sum(t.stored_bytes for t in new_index.tensors)
@@ -115,7 +106,7 @@ def _migrate_ranks(step: int, src: Any, dst: Any, manifest: Manifest, indexes: l
                 continue  # copied by an earlier attempt: an index is written after its data file
             dst.begin_rank(step, index.rank)
             begun.append(index.rank)
-            new_index = _copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
+            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
             dst.write_file(step, index_file_name(index.rank), new_index.to_json())
         if dst.file_size(step, manifest.dcp.name) != manifest.dcp.size:
             dst.write_file(step, manifest.dcp.name, read_pinned(src, step, manifest.dcp))
@@ -149,172 +140,6 @@ def _migrate_ranks(step: int, src: Any, dst: Any, manifest: Manifest, indexes: l
 
 def _summary(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 8 else f"{ranks[:8]}... ({len(ranks)} ranks)"
-
-
-PREFETCH_BYTES = 64 << 20
-"""A source data file up to this size is read whole at once (S3: in parallel ranged GETs)."""
-
-
-def _copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
-    reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
-    # (Not where a GPU decodes chunks: those it reads into GPU memory itself.)
-    if reader is not None and reader.size <= PREFETCH_BYTES and all(
-            get_codec_class(t.codec.name).cpu_capable for t in index.tensors if t.chunks):
-        reader = WholeFileReader(reader)
-    # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
-    writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
-    end = 0
-    records = []
-    try:
-        # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
-        for rec in sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1):
-            spec = target_spec(rec, codec)
-            chunks = []
-            for stored, (padded, size, crc) in _tensor_chunks(step, src, index, rec, spec, reader, settings, pool,
-                                                               gpu, progress):
-                chunks.append(ChunkRecord(end, size, stored.raw_size, crc))
-                writer.write_host(end, padded)
-                end += len(padded)
-            records.append(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape,
-                                        device=rec.device, is_numpy=rec.is_numpy, codec=spec, chunks=tuple(chunks)))
-        data_bytes = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        if reader is not None:
-            reader.close()
-    return RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=data_bytes, chunk_size=index.chunk_size,
-                     skeleton=index.skeleton, tensors=tuple(records), io=getattr(writer, "io_mode", ""))
-
-
-def _tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings: ZstdSettings,
-                   pool: ThreadPoolExecutor, gpu: "GpuRecoder | None", progress):
-    """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order."""
-    if not rec.chunks:
-        return
-    keep = spec == rec.codec
-    src_codec, dst_cls = get_codec(rec.codec, settings), get_codec_class(spec.name)
-    # The GPU decodes what only it can (ans: at hundreds of GB/s, a brief load) and encodes what
-    # only it can; zstd and none are encoded on the CPU pool (zstandard releases the GIL). GPU
-    # zstd at 1 MiB chunks ran at ~1 GB/s on an H100 and slowed a training step 4x (docs/benchmarks.md).
-    gpu_decode, gpu_encode = not keep and not src_codec.cpu_capable, not keep and not dst_cls.cpu_capable
-    if (gpu_decode or gpu_encode) and gpu is None:
-        raise CodecUnavailableError(
-            f"{reader.path}: tensor {rec.name!r}: recompressing {rec.codec.name!r} to {spec.name!r} needs a GPU with "
-            "nvCOMP: run the migration on a GPU machine")
-    if gpu_decode or gpu_encode:
-        yield from _gpu_window_chunks(step, src, index, rec, spec, reader, settings, pool, gpu, progress, gpu_encode)
-        return
-    dst_codec = get_codec(spec, settings)
-    for window, data, base in read_windows(rec, reader):
-        def one(j: int):
-            stored = verified(rec, j, data, base, reader.path)
-            if keep:
-                return pad_extent(stored), len(stored), rec.chunks[j].checksum
-            raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
-            decode_into(src_codec, rec, j, stored, memoryview(raw), reader.path)
-            return stored_extent(dst_codec.encode_chunk(memoryview(raw)))
-
-        yield from zip((rec.chunks[j] for j in window), pool.map(one, window))
-        if progress:
-            progress(sum(rec.chunks[j].raw_size for j in window))
-
-
-def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings, pool,
-                       gpu: "GpuRecoder", progress, gpu_encode: bool):
-    """Chunks of `rec` through the GPU, a window of `gpu.batch_chunks` at a time (bounded memory):
-    decoded on the GPU (checksums verified there), encoded on the GPU or the CPU pool."""
-    codec = get_codec(spec, settings)
-    src_cpu = get_codec(rec.codec, settings).cpu_capable
-    dev_reader = None if src_cpu else gpu.reader(src, step, index)
-    try:
-        for w in range(0, len(rec.chunks), gpu.batch_chunks):
-            idx = range(w, min(w + gpu.batch_chunks, len(rec.chunks)))
-            if src_cpu:  # only the encode needs the GPU (a GPU-only target codec)
-                raw = np.concatenate([read_chunk(rec, j, reader, settings) for j in idx])
-                window = torch.from_numpy(raw)
-            else:
-                window = gpu.decode_window(dev_reader, rec, idx.start, idx.stop, index.chunk_size)
-            cs = index.chunk_size
-            parts = [window[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size] for j in idx]
-            if gpu_encode:
-                encoded = [stored_extent(b) for b in gpu.encode_chunks(parts, spec)]
-            else:
-                host = window.cpu().numpy()
-                encoded = list(pool.map(lambda j: stored_extent(codec.encode_chunk(memoryview(
-                    host[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size]))), idx))
-            yield from zip((rec.chunks[j] for j in idx), encoded)
-            if progress:
-                progress(sum(rec.chunks[j].raw_size for j in idx))
-    finally:
-        if dev_reader is not None:
-            dev_reader.close()
-
-
-class GpuRecoder:
-    """The GPU side of migration (and of codec sampling), on a GpuDevice of its own so its work
-    never queues behind a save's: decodes stored chunks (reading through KvikIO where the tier
-    reads into GPU memory) and encodes chunks with GPU codecs, a window of `batch_chunks` at a time."""
-
-    def __init__(self, device: Any):
-        self.device = device
-
-    def reader(self, src: Any, step: int, index: RankIndex) -> Any:
-        """A reader of the rank's data file into GPU memory (KvikIO, or staged through the host)."""
-        return device_reader(src, step, index.data_file)
-
-    def decode_window(self, reader: Any, rec: TensorRecord, lo: int, hi: int, chunk_size: int) -> torch.Tensor:
-        """Chunks lo..hi-1 of `rec`, decoded on the GPU into one 1-D uint8 GPU tensor (chunk k of
-        the window at k * chunk_size)."""
-        part = rec.chunks[lo:hi]
-        elem = torch.empty((), dtype=rec.torch_dtype).element_size()
-        one = replace(rec, shape=(sum(c.raw_size for c in part) // elem,), chunks=part)
-        out = torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)
-        self.device.restore([(one, out)], reader, chunk_size)
-        return out.view(torch.uint8)
-
-    def decode_chunks(self, src: Any, step: int, index: RankIndex,
-                      picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
-        """Single chunks (tensor record, chunk number), decoded on the GPU, as uint8 GPU tensors."""
-        items = []
-        for rec, j in picks:
-            c = rec.chunks[j]
-            one = replace(rec, shape=(c.raw_size // torch.empty((), dtype=rec.torch_dtype).element_size(),),
-                          chunks=(c,))
-            items.append((one, torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)))
-        reader = self.reader(src, step, index)
-        try:
-            self.device.restore(items, reader, index.chunk_size)
-        finally:
-            reader.close()
-        return [t.reshape(-1).view(torch.uint8) for _, t in items]
-
-    def encode_chunks(self, chunks: list[torch.Tensor], spec: CodecSpec) -> list[bytes]:
-        return self.device.encode_chunks(chunks, spec)
-
-    def measure_encode(self, chunks: list[torch.Tensor], spec: CodecSpec) -> tuple[float, int]:
-        return self.device.measure_encode(chunks, spec)
-
-    @property
-    def batch_chunks(self) -> int:
-        return self.device.batch_chunks
-
-
-def make_gpu_recoder(config: Any) -> GpuRecoder | None:
-    """A GpuRecoder on the current CUDA device with migration-sized buffers (at most 512 MiB of
-    slab and 128 MiB of pack buffer, beside whatever training holds), or None without GPU codecs."""
-    if not gpu_stack_available():
-        return None
-    from tiered.config import Budgets
-    from tiered.gpu import GpuDevice
-    from tiered.staging import HostPool
-
-    b = config.budgets
-    budgets = Budgets(gpu_buffer=min(b.gpu_buffer or 512 << 20, 512 << 20), pack_buffer=min(b.pack_buffer, 128 << 20),
-                      host_buffer=64 << 20)
-    return GpuRecoder(GpuDevice(torch.cuda.current_device(), config.chunk_size, budgets, config.zstd,
-                                HostPool(64 << 20, page=4096)))
 
 
 def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, settings: ZstdSettings,
