@@ -45,20 +45,30 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
         reader = WholeFileReader(reader)
     # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
     writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
+    # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
+    ordered = sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1)
+    specs = [target_spec(rec, codec) for rec in ordered]
+    chunks: dict[int, list[ChunkRecord]] = {rec.index: [] for rec in ordered}
+    out = _Batches(writer)
     end = 0
-    records = []
     try:
-        # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
-        for rec in sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1):
-            spec = target_spec(rec, codec)
-            chunks = []
-            for stored, (padded, size, crc) in tensor_chunks(step, src, index, rec, spec, reader, settings, pool,
-                                                               gpu, progress):
-                chunks.append(ChunkRecord(end, size, stored.raw_size, crc))
-                writer.write_host(end, padded)
+        i = 0
+        while i < len(ordered):
+            if _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
+                results = ((ordered[i], stored, r) for stored, r in tensor_chunks(
+                    step, src, index, ordered[i], specs[i], reader, settings, pool, gpu, progress))
+                k = i + 1
+            else:  # a run of tensors through the CPU pool, in windows that cross tensor boundaries
+                k = i
+                while k < len(ordered) and not _needs_gpu(ordered[k], specs[k]):
+                    k += 1
+                results = _cpu_chunks(ordered[i:k], specs[i:k], reader, settings, pool, progress)
+            for rec, stored, (padded, size, crc) in results:
+                chunks[rec.index].append(ChunkRecord(end, size, stored.raw_size, crc))
+                out.add(end, padded)
                 end += len(padded)
-            records.append(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape,
-                                        device=rec.device, is_numpy=rec.is_numpy, codec=spec, chunks=tuple(chunks)))
+            i = k
+        out.flush()
         data_bytes = writer.close()
     except BaseException:
         writer.abort()
@@ -66,8 +76,92 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     finally:
         if reader is not None:
             reader.close()
+    records = tuple(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape, device=rec.device,
+                                 is_numpy=rec.is_numpy, codec=spec, chunks=tuple(chunks[rec.index]))
+                    for rec, spec in zip(ordered, specs))
     return RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=data_bytes, chunk_size=index.chunk_size,
-                     skeleton=index.skeleton, tensors=tuple(records), io=getattr(writer, "io_mode", ""))
+                     skeleton=index.skeleton, tensors=records, io=getattr(writer, "io_mode", ""))
+
+
+WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20
+"""One read of the source: up to this many chunks and bytes, lying end to end in its data file."""
+
+
+def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:
+    """Recompressing this tensor's chunks needs a GPU codec (to decode them, or to encode)."""
+    return bool(rec.chunks) and spec != rec.codec and not (
+        get_codec_class(rec.codec.name).cpu_capable and get_codec_class(spec.name).cpu_capable)
+
+
+def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, settings: ZstdSettings,
+                pool: ThreadPoolExecutor, progress: Any):
+    """Yield (tensor record, source chunk record, (padded stored bytes, stored size, checksum)) for
+    every chunk of `recs`, in order: read in windows that cross tensor boundaries (a state of
+    thousands of small tensors is not one read and one pool round trip per tensor), the next
+    window read on a thread of its own while this one's chunks are verified and, where the codec
+    changes, decoded and re-encoded on the pool."""
+    refs = [(rec, spec, j) for rec, spec in zip(recs, specs) for j in range(len(rec.chunks))]
+    windows: list[list[tuple[TensorRecord, CodecSpec, int]]] = []
+    size = end = 0
+    for ref in refs:
+        c = ref[0].chunks[ref[2]]
+        if not windows or len(windows[-1]) >= WINDOW_CHUNKS or size + c.extent > WINDOW_BYTES or c.offset != end:
+            windows.append([])
+            size = 0
+        windows[-1].append(ref)
+        size += c.extent
+        end = c.offset + c.extent
+
+    def read(win: list) -> tuple[memoryview, int]:
+        first, last = win[0][0].chunks[win[0][2]], win[-1][0].chunks[win[-1][2]]
+        return reader.read_host(first.offset, last.offset + last.extent - first.offset), first.offset
+
+    def one(ref: tuple[TensorRecord, CodecSpec, int], data: memoryview, base: int):
+        rec, spec, j = ref
+        stored = verified(rec, j, data, base, reader.path)
+        if spec == rec.codec:
+            return pad_extent(stored), len(stored), rec.chunks[j].checksum
+        raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
+        decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
+        return stored_extent(get_codec(spec, settings).encode_chunk(memoryview(raw)))
+
+    if not windows:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="tiered-read") as io:
+        ahead = io.submit(read, windows[0])
+        for w, win in enumerate(windows):
+            data, base = ahead.result()
+            if w + 1 < len(windows):
+                ahead = io.submit(read, windows[w + 1])
+            for ref, result in zip(win, pool.map(lambda ref: one(ref, data, base), win)):
+                yield ref[0], ref[0].chunks[ref[2]], result
+            if progress:
+                progress(sum(ref[0].chunks[ref[2]].raw_size for ref in win))
+
+
+WRITE_BATCH = 16 << 20
+"""Bytes of consecutive chunks gathered into one write of the target's data file."""
+
+
+class _Batches:
+    """Consecutive extents gathered into one write of up to WRITE_BATCH bytes (a chunk at a time
+    is one system call, or one S3 buffer append, per MiB)."""
+
+    def __init__(self, writer: Any):
+        self.writer, self.parts, self.start, self.size = writer, [], 0, 0
+
+    def add(self, offset: int, data: Any) -> None:
+        if self.parts and (offset != self.start + self.size or self.size + len(data) > WRITE_BATCH):
+            self.flush()
+        if not self.parts:
+            self.start = offset
+        self.parts.append(data)
+        self.size += len(data)
+
+    def flush(self) -> None:
+        if self.parts:
+            self.writer.write_host(self.start, memoryview(b"".join(self.parts)))
+            self.parts, self.size = [], 0
 
 
 def tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings: ZstdSettings,

@@ -1,0 +1,58 @@
+"""Migration throughput on this machine: one 256 MB step copied local -> shared (a POSIX tier),
+recompressed to zstd (source codec none) or kept (source zstd), as 8 or 2,000 tensors, with the
+CPU threads a background migrator uses (or as many as given), beside the zstd encode ceiling of
+those threads on the same data.
+
+    python3 scripts/migrate_probe.py [THREADS] [--dir D]
+"""
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tiered  # noqa: E402
+from tiered.codecs import get_codec  # noqa: E402
+from tiered.config import ZstdSettings  # noqa: E402
+from tiered.format import CodecSpec  # noqa: E402
+from tiered.migrator import background_threads, migrate_step  # noqa: E402
+
+root = sys.argv[sys.argv.index("--dir") + 1] if "--dir" in sys.argv else "./.tiered/migrate-probe"
+
+
+
+def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> float:
+    """GB/s of raw state migrated."""
+    shutil.rmtree(root, ignore_errors=True)
+    cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": f"{root}/local", "codec": src_codec},
+           {"name": "shared", "kind": "posix", "path": f"{root}/shared", "codec": "zstd"}]}
+    g = torch.Generator().manual_seed(0)
+    per = (total_mb << 20) // 4 // ntensors
+    state = {f"t{i}": (torch.randn(per, generator=g) * 0.02) for i in range(ntensors)}
+    with tiered.Engine.from_config(cfg) as e:
+        e.save(1, state).wait()
+        cat = e.catalog
+        raw = sum(t.numel() * 4 for t in state.values())
+        os.sync()
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            migrate_step(1, cat.get("local"), cat.get("shared"), codec="zstd", settings=ZstdSettings(), pool=pool)
+            dt = time.perf_counter() - t0
+    return raw / dt / 1e9
+
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else background_threads()
+# the zstd ceiling on this data with that many threads
+codec = get_codec(CodecSpec.of("zstd", shuffle=4), ZstdSettings())
+x = (torch.randn(64 << 18) * 0.02).numpy().view("uint8")
+chunks = [memoryview(x[i:i + (1 << 20)]) for i in range(0, len(x), 1 << 20)]
+with ThreadPoolExecutor(threads) as pool:
+    t0 = time.perf_counter(); list(pool.map(codec.encode_chunk, chunks)); enc = len(x) / (time.perf_counter() - t0) / 1e9
+print(f"threads {threads}: zstd encode ceiling {enc:.3f} GB/s")
+for src, n in (("none", 8), ("none", 2000), ("zstd", 8), ("zstd", 2000)):
+    print(f"  {src:>4} -> zstd, {n} tensors, 256 MB: {run(src, n, 256, threads):.3f} GB/s")
+shutil.rmtree(root, ignore_errors=True)
