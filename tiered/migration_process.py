@@ -180,7 +180,10 @@ def _child() -> int:
     from tiered.config import load_config
     from tiered.migrator import BackgroundMigrator, make_gpu_recoder
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)  # its own progress, in the engine's stderr; not other libraries'
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 10)  # training owns the machine
     except (AttributeError, OSError):
