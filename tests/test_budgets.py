@@ -241,3 +241,29 @@ def test_reserve_takes_a_state_or_a_size(tmp_path):
         assert engine.wait_pinned(5)
         engine.save(1, state).wait()
         assert torch.equal(engine.load(1)["w"], state["w"])
+
+
+def test_host_pool_maps_what_the_kernel_grants(tmp_path):
+    """Under an address-space limit (as strict overcommit accounting imposes), the pool maps the
+    most it is granted, halving, and says so, rather than failing the engine."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import logging, resource, sys
+        import torch  # (mapped before the limit)
+        from tiered.staging import HostPool
+        logging.basicConfig(level=logging.WARNING)
+        with open("/proc/self/status") as f:
+            size = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY))
+        pool = HostPool(64 << 30)
+        assert 0 < pool.capacity <= (1 << 30), pool.capacity
+        page = pool.ring.acquire(4)
+        pool.view(page, 4 * 4096).fill_(1)
+        print("capacity", pool.capacity)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "could not be mapped" in out.stderr and "budgets.host_buffer" in out.stderr

@@ -132,8 +132,8 @@ class HostPool:
                  unpin: Callable[[int], None] | None = None, block: int = PIN_BLOCK):
         self.capacity = max(page, capacity - capacity % page)
         self.page = page
+        self._mm = self._map()
         block = min(max(page, block - block % page), self.capacity)
-        self._mm = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buffer: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         rows = self.capacity // page
         self._pin, self._unpin, self._block = pin, unpin, block
@@ -150,6 +150,26 @@ class HostPool:
         self._failed = pin is None
         if pin is None:
             self.pinned_bytes = self.capacity
+
+    def _map(self) -> mmap.mmap:
+        """The mapping: the whole capacity, or, where the kernel refuses that much address space
+        (strict overcommit accounting), the most it grants, halving down to one page (logged)."""
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        asked = self.capacity
+        while True:
+            try:
+                mm = mmap.mmap(-1, self.capacity, flags=flags)
+            except OSError as exc:
+                if self.capacity <= self.page:
+                    raise
+                self.capacity = max(self.page, self.capacity // 2 // self.page * self.page)
+                last = exc
+                continue
+            if self.capacity < asked:
+                log.warning("tiered: host staging memory: %s could not be mapped (%s); using %s. Set "
+                            "budgets.host_buffer to a size this machine grants", format_size(asked), last,
+                            format_size(self.capacity))
+            return mm
 
     @property
     def max_run_bytes(self) -> int:
