@@ -55,13 +55,14 @@ class Engine:
         self._api_lock = threading.RLock()  # save/restore/load from several threads run one at a time
         self._dist: Any = None
         self._migrator: Any = None
-        if len(config.tiers) > 1 and config.migration == "process":
+        if len(config.tiers) > 1 and config.migration == "process" and config.document is not None:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # one migrator process per node: the first local rank's
                 from tiered.migration_process import MigratorProcess
 
                 self._migrator = MigratorProcess(config)
                 self.saves.on_commit(self._migrator.submit)
-        elif len(config.tiers) > 1 and config.migration == "in_process":
+        elif len(config.tiers) > 1 and config.migration in ("in_process", "process"):  # (a Config built in code
+            # has no document for a child process to read: its migrator runs in this process)
             from tiered.migrator import BackgroundMigrator, make_gpu_recoder
 
             self._migrator = BackgroundMigrator(config, self.catalog.get, lambda: make_gpu_recoder(config))
