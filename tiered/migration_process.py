@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from tiered.errors import TieredError
+from tiered.migrator import MigrationLedger
 
 log = logging.getLogger("tiered")
 
@@ -43,18 +44,14 @@ RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 60.0
 
 
-class MigratorProcess:
+class MigratorProcess(MigrationLedger):
     """The interface of `BackgroundMigrator` (`submit`, `wait`, `stop`, `active`), its work done by
     a supervised child process."""
 
     def __init__(self, config: Any):
+        super().__init__()
         self._config_json = json.dumps(config.document, default=str)
-        self._lock = threading.Lock()
-        self._pending: set[int] = set()
-        self._error: BaseException | None = None
-        self._scanned = threading.Event()
         self._stopping = False
-        self.active = True
         self.pid: int | None = None
         """The child's process id (a new one after a restart)."""
         self._proc: subprocess.Popen | None = None
@@ -82,28 +79,8 @@ class MigratorProcess:
             pass  # the child is gone: the supervisor starts another and sends it the pending steps
 
     def submit(self, step: int) -> None:
-        with self._lock:
-            if step in self._pending or not self.active:
-                return
-            self._pending.add(step)
-        self._send(step)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every submitted step is on every tier; raise the first failure since the
-        last call (a failed step stays pending while the child retries it)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._scanned.wait(timeout)
-        while True:
-            with self._lock:
-                busy = sorted(self._pending)
-                err, self._error = self._error, None
-            if err is not None:
-                raise TieredError(f"migration failed: {err}") from err
-            if not busy:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"steps {busy} are still migrating")
-            time.sleep(0.05)
+        if self._track(step):
+            self._send(step)
 
     def stop(self) -> None:
         """Let the child finish the queue (it retries failed steps only while they are due), then join."""
@@ -116,26 +93,18 @@ class MigratorProcess:
                 pass
         self._watch.join()
 
-    def _fail(self, exc: BaseException) -> None:
-        with self._lock:
-            self._error = self._error or exc
-
     def _on_message(self, msg: dict) -> None:
         if "ready" in msg:
             self._scanned.set()
         elif "inactive" in msg:
             log.warning("tiered: another migrator (pid %s) holds the fast tier's migration lock: this engine leaves "
                         "migration to it", msg["inactive"])
-            with self._lock:
-                self.active = False
-                self._pending.clear()
+            self._deactivate()
             self._scanned.set()
         elif "resumed" in msg:
-            with self._lock:
-                self._pending.add(int(msg["resumed"]))
+            self._track(int(msg["resumed"]))
         elif "done" in msg:
-            with self._lock:
-                self._pending.discard(int(msg["done"]))
+            self._settle(int(msg["done"]))
         elif "failed" in msg:
             self._fail(TieredError(f"step {msg['failed']}: {msg.get('error', '')}"))
 

@@ -38,7 +38,7 @@ from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.units import format_rate, format_size
 
-__all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLock", "apply_retention", "background_threads",
+__all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLedger", "MigrationLock", "apply_retention", "background_threads",
            "choose_tier_codec", "lower_priority", "make_gpu_recoder", "migrate_down", "migrate_step", "pending_steps",
            "retry_delay", "target_spec"]
 
@@ -295,60 +295,40 @@ def retry_delay(failures: int) -> float:
     return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, failures - 1))
 
 
-class BackgroundMigrator:
-    """Copies each committed step down the tiers on a thread of its own, one hop at a time (each
-    tier from the one above it, so a step is recompressed once, where the codec changes), then
-    applies the tiers' retention rules.
+class MigrationLedger:
+    """What a migrator owes the engine: the steps submitted and not yet on every tier, and the
+    first failure since `wait` last raised one. The migrator thread (BackgroundMigrator) and the
+    migrator process (tiered.migration_process) keep it the same way."""
 
-    Call order: ``submit(step)`` after each commit; ``wait(timeout)`` to block until queued steps
-    are everywhere (raises the first failure since the last call); ``stop()`` finishes the queue
-    and ends the thread. On start it takes the fast tier's migration lock (when a `tiered migrate`
-    daemon holds it, this thread leaves migration to the daemon) and queues committed steps that
-    an earlier run left unmigrated. A failed migration leaves the step on the faster tiers, where
-    nothing committed is ever lost, and is retried after `retry_delay` (5 s, doubling to 5 min)
-    until it succeeds; ``stop()`` does not wait for retries that are not due (the next run, or
-    `tiered migrate`, resumes them).
-    """
-
-    def __init__(self, config: Any, get_tier: Callable[[str], Any], make_gpu: Callable[[], "GpuRecoder | None"],
-                 on_event: Callable[[str, int, str], None] = lambda kind, step, detail: None):
-        self._config, self._get_tier = config, get_tier
-        self._on_event = on_event
-        """Told ("resumed" | "done" | "failed", step, detail) as they happen (tiered.migration_process)."""
-        # Training owns the machine: a quarter of the cores, at lower CPU priority (measured:
-        # migrating with every core slowed a training step by half; docs/benchmarks.md).
-        self._pool = ThreadPoolExecutor(max_workers=background_threads(), initializer=lower_priority,
-                                        thread_name_prefix="tiered-migrate")
-        self._make_gpu = make_gpu
-        self._queue: "queue.Queue[int | None]" = queue.Queue()
-        self._pending: set[int] = set()
-        self._failures: dict[int, int] = {}
-        """Failed attempts per step still to be migrated (the migrator thread's own)."""
-        self._retry_at: dict[int, float] = {}
-        """Steps waiting for a retry, with the monotonic time it is due (the migrator thread's own)."""
-        self._error: BaseException | None = None
+    def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._pending: set[int] = set()
+        self._error: BaseException | None = None
         self._scanned = threading.Event()
-        self._migration_lock = MigrationLock(config.fast_tier.path)
+        """Set once start-up is over: the lock taken (or not: `active`) and unfinished steps queued."""
         self.active = True
-        """False when another process (a `tiered migrate` daemon) migrates this fast tier."""
-        self._thread = threading.Thread(target=self._run, name="tiered-migrator", daemon=True)
-        self._thread.start()
+        """False when another migrator (a `tiered migrate` daemon) migrates this fast tier."""
 
-    def submit(self, step: int) -> None:
+    def _track(self, step: int) -> bool:
+        """Count `step` as owed; False if it already is, or this migrator is not `active`."""
         with self._lock:
             if step in self._pending or not self.active:
-                return
+                return False
             self._pending.add(step)
-        self._queue.put(step)
+            return True
 
-    def holder(self) -> str:
-        """Who holds the fast tier's migration lock (a pid), when this migrator is not `active`."""
-        return self._migration_lock.holder()
+    def _settle(self, step: int) -> None:
+        with self._lock:
+            self._pending.discard(step)
 
-    def scanned(self, timeout: float | None = None) -> bool:
-        """The start-up is over: the lock taken (or not: `active`) and unfinished steps queued."""
-        return self._scanned.wait(timeout)
+    def _deactivate(self) -> None:
+        with self._lock:
+            self.active = False
+            self._pending.clear()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or exc
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every submitted step is on every tier (failed steps count as pending while
@@ -367,15 +347,59 @@ class BackgroundMigrator:
                 raise TimeoutError(f"steps {busy} are still migrating")
             time.sleep(0.05)
 
+
+class BackgroundMigrator(MigrationLedger):
+    """Copies each committed step down the tiers on a thread of its own, one hop at a time (each
+    tier from the one above it, so a step is recompressed once, where the codec changes), then
+    applies the tiers' retention rules.
+
+    Call order: ``submit(step)`` after each commit; ``wait(timeout)`` to block until queued steps
+    are everywhere (raises the first failure since the last call); ``stop()`` finishes the queue
+    and ends the thread. On start it takes the fast tier's migration lock (when a `tiered migrate`
+    daemon holds it, this thread leaves migration to the daemon) and queues committed steps that
+    an earlier run left unmigrated. A failed migration leaves the step on the faster tiers, where
+    nothing committed is ever lost, and is retried after `retry_delay` (5 s, doubling to 5 min)
+    until it succeeds; ``stop()`` does not wait for retries that are not due (the next run, or
+    `tiered migrate`, resumes them).
+    """
+
+    def __init__(self, config: Any, get_tier: Callable[[str], Any], make_gpu: Callable[[], "GpuRecoder | None"],
+                 on_event: Callable[[str, int, str], None] = lambda kind, step, detail: None):
+        super().__init__()
+        self._config, self._get_tier = config, get_tier
+        self._on_event = on_event
+        """Told ("resumed" | "done" | "failed", step, detail) as they happen (tiered.migration_process)."""
+        # Training owns the machine: a quarter of the cores, at lower CPU priority (measured:
+        # migrating with every core slowed a training step by half; docs/benchmarks.md).
+        self._pool = ThreadPoolExecutor(max_workers=background_threads(), initializer=lower_priority,
+                                        thread_name_prefix="tiered-migrate")
+        self._make_gpu = make_gpu
+        self._queue: "queue.Queue[int | None]" = queue.Queue()
+        self._failures: dict[int, int] = {}
+        """Failed attempts per step still to be migrated (the migrator thread's own)."""
+        self._retry_at: dict[int, float] = {}
+        """Steps waiting for a retry, with the monotonic time it is due (the migrator thread's own)."""
+        self._migration_lock = MigrationLock(config.fast_tier.path)
+        self._thread = threading.Thread(target=self._run, name="tiered-migrator", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        if self._track(step):
+            self._queue.put(step)
+
+    def holder(self) -> str:
+        """Who holds the fast tier's migration lock (a pid), when this migrator is not `active`."""
+        return self._migration_lock.holder()
+
+    def scanned(self, timeout: float | None = None) -> bool:
+        """The start-up is over: the lock taken (or not: `active`) and unfinished steps queued."""
+        return self._scanned.wait(timeout)
+
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join()
         self._pool.shutdown()
         self._migration_lock.release()
-
-    def _fail(self, exc: BaseException) -> None:
-        with self._lock:
-            self._error = self._error or exc
 
     def _next(self) -> "int | None":
         """The next step to migrate: a queued one, else the first retry that falls due; None to stop."""
@@ -392,9 +416,7 @@ class BackgroundMigrator:
             if not self._migration_lock.acquire():
                 log.warning("tiered: another migrator (pid %s) holds %s: this process leaves migration to it",
                             self._migration_lock.holder(), self._migration_lock.path)
-                with self._lock:
-                    self.active = False
-                    self._pending.clear()
+                self._deactivate()
                 return
             for step in pending_steps(self._config, self._get_tier):  # an earlier run's unfinished work
                 log.info("tiered: resuming migration of step %d", step)
@@ -420,8 +442,7 @@ class BackgroundMigrator:
                 self._fail(exc)
                 self._on_event("failed", step, str(exc))
                 continue
-            with self._lock:
-                self._pending.discard(step)
+            self._settle(step)
             self._on_event("done", step, "")
             if self._failures.pop(step, 0):
                 log.info("tiered: step %d migrated after earlier failures", step)
