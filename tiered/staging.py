@@ -112,10 +112,6 @@ class RowRing:
         with self._cv:
             return self.limit - sum(c for _, c in self._live)
 
-    def idle(self) -> bool:
-        with self._cv:
-            return not self._live
-
 
 class HostPool:
     """Host staging memory of at most `capacity` bytes in pages of `page` bytes, handed out by `ring`.
