@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +76,32 @@ def test_fast_tier_codec_on_cpu_follows_the_disk(tmp_path, bandwidth, expected, 
         assert {t.codec.name for t in index.tensors} == {expected}
         assert_same(state, engine.load(2))
     assert f"tier 'local' codec: {expected} for the next saves" in caplog.text
+
+
+def test_a_probe_a_write_cache_fooled_is_capped_by_the_first_large_save(tmp_path, monkeypatch, caplog):
+    """A 64 MiB probe can land in a write cache; a save of OBSERVE_BYTES or more shows the rate
+    the disk keeps, and the policy takes the lower one (here the threshold is lowered to the
+    test's size, and the tier made slow to write)."""
+    import tiered.probe as probe
+    from tiered.tiers.local import LocalTier
+
+    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(probe, "OBSERVE_BYTES", 1 << 20)
+    monkeypatch.setattr(LocalTier, "probe_bandwidth", lambda self, n: 100e9)  # what the cache showed
+    real_commit = LocalTier.commit
+
+    def slow_commit(self, step, manifest):  # the disk keeps a few MB/s
+        time.sleep(1.0)
+        return real_commit(self, step, manifest)
+
+    monkeypatch.setattr(LocalTier, "commit", slow_commit)
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}]}
+    state = {"w": torch.randn(2_000_000), "b": torch.randn(300_000).to(torch.bfloat16)}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        engine.saves.codec.join(60)
+        assert engine.fast_codec == "zstd", caplog.text
+    assert "tier 'local' codec: zstd for the next saves" in caplog.text
 
 
 def test_migration_codec_auto_on_a_slow_portable_tier_is_zstd(tmp_path):

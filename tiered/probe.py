@@ -4,7 +4,9 @@
   `PROBE_BYTES` through the tier the way a data file is written (O_DIRECT + fsync, or a
   multipart upload), once per tier location, cached in ``bandwidth.json`` under
   ``$TIERED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tiered``, i.e. ``~/.cache/tiered``). Delete
-  the entry, or the file, to probe again.
+  the entry, or the file, to probe again. On the fast tier, a first save that stored at least
+  `OBSERVE_BYTES` caps it with its own rate (stored bytes over save() to durable): 64 MiB can
+  land in a device's write cache and read as a rate the disk does not keep at scale.
 - **Codec samples**: up to `SAMPLE_CHUNKS` chunks spread over a checkpoint's tensors (weighted by
   size), encoded with each candidate codec the way the caller would encode them (CPU codecs on
   the codec thread pool; GPU codecs through `GpuDevice.encode`). Throughput is raw bytes over wall
@@ -33,6 +35,7 @@ from tiered.units import format_rate
 
 log = logging.getLogger("tiered")
 PROBE_BYTES = 64 << 20
+OBSERVE_BYTES = 1 << 30
 SAMPLE_CHUNKS = 16
 """Chunks sampled per checkpoint: 16 MiB at the default chunk size, a fraction of a second to
 encode with every candidate on a CPU, a few milliseconds on a GPU."""
@@ -142,7 +145,7 @@ def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, s
         cls = get_codec_class(name)
         todo = [i for i, s in enumerate(sample.stored) if s is None or s[0] != name]
         kept = sum(s[1] for i, s in enumerate(sample.stored) if s is not None and i not in todo)
-        if name == "none" or not todo:
+        if not todo or (name == "none" and gpu is None):  # on a GPU, "none" still copies into the slab
             seconds, stored = 0.0, sum(_nbytes(sample.chunks[i][1]) for i in todo)
         elif gpu is not None and cls.gpu_capable and not (cpu_first and cls.cpu_capable):
             seconds, stored = _encode_gpu(gpu, [sample.chunks[i] for i in todo], name)
@@ -203,10 +206,12 @@ class FastTierCodec:
         self.pending = pinned == AUTO
         """No decision yet: the next save is sampled."""
         self._thread: threading.Thread | None = None
+        self._started = 0.0
 
     def after_save(self, plan: Any, handle: Any) -> None:
         if not self.pending or self._thread is not None:
             return
+        self._started = time.monotonic()
         chunk_size = self.config.chunk_size
         gpu_index = next(iter(plan.gpu), None)
         plans = plan.gpu[gpu_index] if gpu_index is not None else plan.cpu
@@ -231,6 +236,15 @@ class FastTierCodec:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def _observed(self, handle: Any) -> float | None:
+        """Bytes/s the sampled save reached from save() to durable on this tier, where it stored
+        at least OBSERVE_BYTES: a lower bound on the tier's rate (staging is inside it) measured at
+        the checkpoint's own scale, where the probe's 64 MiB may have met only a write cache."""
+        manifest = handle.persisted.result()
+        if handle.tier != self.config.fast_tier.name or manifest.stored_bytes < OBSERVE_BYTES:
+            return None
+        return manifest.stored_bytes / max(time.monotonic() - self._started, 1e-9)
+
     def _decide(self, copies: list[tuple[torch.dtype, Raw]], ready: Any, gpu_index: int | None, handle: Any) -> None:
         cfg = self.config.fast_tier
         try:
@@ -250,6 +264,8 @@ class FastTierCodec:
             names = [n for n in CODEC_NAMES if gpu is not None or get_codec_class(n).cpu_capable]
             samples = measure(sample, names, pool=self.pool, settings=self.config.zstd, gpu=gpu)
             bandwidth = tier_bandwidth(cfg, self.tier)
+            if not cfg.bandwidth:  # a configured bandwidth wins
+                bandwidth = min(bandwidth, self._observed(handle) or bandwidth)
             # GPU saves: compression is the snapshot (encode, then write); CPU saves pipeline them.
             choice = choose_codec(bandwidth=bandwidth, samples=samples, portable=cfg.portable, overlap=gpu is None)
         except Exception as exc:  # noqa: BLE001 - the policy is an optimisation: keep the usual codec
