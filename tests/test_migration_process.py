@@ -111,3 +111,19 @@ def test_killing_the_training_process_leaves_the_queued_steps_migrating(tmp_path
     while time.monotonic() < deadline and not _lock_free(tmp_path):
         time.sleep(0.1)
     assert _lock_free(tmp_path), f"the child (pid {child}) exited once its queue was done"
+
+
+@pytest.mark.gpu
+def test_the_child_recompresses_a_gpu_checkpoint_stored_with_ans(tmp_path):
+    """ANS is decoded on the GPU: the child makes its own CUDA context for it."""
+    cfg = _config(tmp_path)
+    cfg["tiers"][0]["codec"] = "ans"
+    g = torch.Generator().manual_seed(7)
+    state = {"w": torch.randn(8 << 20, generator=g).cuda(), "m": torch.randn(1 << 20, generator=g).cuda()}
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        engine.wait_migrated(300)
+        assert {t.codec.name for t in engine.read_index(1, tier="local")[1].tensors} == {"ans"}
+        assert {t.codec.name for t in engine.read_index(1, tier="shared")[1].tensors} == {"zstd"}
+        got = engine.load(1, tier="shared")
+    assert all(torch.equal(got[k].cpu(), state[k].cpu()) for k in state)
