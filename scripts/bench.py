@@ -352,6 +352,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
         return out
 
     lead = scale.rank() == 0  # under torchrun, rank 0 reports for all ranks (scripts/scale.py)
+    scale.show_engine_log()
     results["scale"] = []
     results["info"]["ranks"] = scale.world()
     for size in (float(x) for x in args.scale.split(",")):

@@ -57,7 +57,7 @@ def main() -> int:
     panels = [("stall_ms", "training stall per save, ms (warm median)", True),
               ("durable_s", "time to durable, s (warm median)", False),
               ("restore_s", "cold restore, s", False)]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4 + 0.25 * len(captions)))
     for ax, (key, title, log) in zip(axes, panels):
         for name, by_size in sorted(series.items()):
             xs = sorted(s for s, v in by_size.items() if v[key] is not None)
@@ -73,7 +73,7 @@ def main() -> int:
             ax.text(ax.get_xlim()[0], 50, " 50 ms target", fontsize=8, va="bottom")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("; ".join(captions), fontsize=9)
+    fig.suptitle("\n".join(captions), fontsize=9)  # one line per run
     fig.tight_layout()
     fig.savefig(sys.argv[1], dpi=120)
     print(f"wrote {sys.argv[1]}")

@@ -98,6 +98,17 @@ def say(msg: str) -> None:
     print(msg if world() == 1 else f"[rank {rank()}] {msg}", flush=True)
 
 
+def show_engine_log() -> None:
+    """The engine's own choices (budgets, codec, what it pinned) print beside the progress lines."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"#   tiered log{'' if world() == 1 else f' [rank {rank()}]'}: %(message)s"))
+    logger = logging.getLogger("tiered")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def lockstep(device: str) -> None:
     """Ranks step together: an all-reduce of one number, as data-parallel training does per step."""
     d = _dist()
@@ -311,18 +322,22 @@ def _done_at(fut: Any) -> list[float]:
     return box
 
 
-def measure(row: Row, state: dict, window: Window, base: float, saves: int, save: Callable[[int], Any],
-            durable: Callable[[Any], float], device: str, drop: Callable[[int], None],
-            before_update: Callable[[Any], Any] | None = None) -> list[tuple[int, int]]:
+def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durable: Callable[[Any], float],
+            drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None) -> list[tuple[int, int]]:
     """`saves` windows, one save each, at the window's start: stall, call, durable (`durable(result)`
     waits for it and returns when it completed), memory. `drop(step)` deletes an older step once
     the next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
-    no method's stall should carry), so one copy at a time is kept on the disk. Returns the
+    no method's stall should carry), so one copy at a time is kept on the disk; where the disk
+    cannot hold two (`run.one_copy`), before the next save starts. Returns the
     fingerprint of the state the last save was handed (taken just before its window: training
     then changes the state while the save runs, so a restore that matches it shows the snapshot held)."""
+    state, window, saves, device = run.state, run.window, run.saves, run.device
     free0, rss0 = gpu_free(device), rss()
     low = free0
     for k in range(saves):
+        if k and run.one_copy:
+            barrier()
+            drop(k)
         t_call = [0.0]
 
         def start(k=k):
@@ -337,7 +352,7 @@ def measure(row: Row, state: dict, window: Window, base: float, saves: int, save
         done = durable(result)
         low = min(low, gpu_free(device))
         row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
-        if k:
+        if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
         say(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
@@ -371,6 +386,8 @@ class Run:
     device: str
     drop_caches: Callable[[], bool]
     optimizers: list
+    one_copy: bool = False
+    """The disk cannot hold two copies of the state: a step is deleted before the next save."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""
@@ -416,10 +433,11 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
             time.sleep(0.001)
         return box[0]
 
-    prints = measure(row, run.state, run.window, base, run.saves, save, durable, run.device,
+    prints = measure(row, run, base, save, durable,
                      lambda n: rank() == 0 and engine.catalog.fast.delete(first_step + n))
     row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
     row.extra["pin_s"] = run.shared["pin_s"]
+    row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
     warm = [h.timings for step, (h, _) in sorted(handles.items())][1:]
     row.extra["save_timings_ms"] = {k: round(statistics.median(t.get(k, 0.0) for t in warm), 1)
                                     for k in (warm[0] if warm else {})}
@@ -481,7 +499,7 @@ def _dcp_row(row: Row, run: Run, base: float, stager: Any) -> None:
         if hasattr(resp, "staging_completion"):
             resp.staging_completion.result()
 
-    prints = measure(row, run.state, run.window, base, run.saves, save, durable, device,
+    prints = measure(row, run, base, save, durable,
                      lambda n: rank() == 0 and shutil.rmtree(root / str(n), ignore_errors=True),
                      staged if stager is not None else None)
     last = root / str(run.saves)
@@ -521,7 +539,7 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
         os.close(fd)
         return time.perf_counter()
 
-    prints = measure(row, run.state, run.window, base, run.saves, save, lambda done: done, run.device,
+    prints = measure(row, run, base, save, lambda done: done,
                      lambda n: (root / f"{n}.rank{rank()}.pt").unlink(missing_ok=True))
     path = root / f"{run.saves}.rank{rank()}.pt"
     row.stored = path.stat().st_size
@@ -576,7 +594,11 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         say(f"# ceilings: {out['ceilings']}")
     window = Window(step_fn, device, window_steps)
     out["window_ms"] = round(1e3 * window.baseline(), 1)
-    run = Run(state, window, saves, root, device, drop_caches, optimizers)
+    root.mkdir(parents=True, exist_ok=True)
+    one_copy = shutil.disk_usage(root).free < 2.2 * state_bytes * world()
+    if one_copy:
+        say("#   the disk holds less than two copies of the state: each step is deleted before the next save")
+    run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy)
     rows = []
     try:
         for k, name in enumerate(methods):
