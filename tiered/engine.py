@@ -137,7 +137,7 @@ class Engine:
         return self.restorer.read_index(step, tier, self.rank)
 
     # --- save ----------------------------------------------------------------------------
-    def save(self, step: int, state_dict: Any) -> SaveHandle:
+    def save(self, step: int, state_dict: Any, *, local: bool = False) -> SaveHandle:
         """Snapshot `state_dict` as `step` and return once it may change again.
 
         GPU tensors: the current CUDA stream is made to wait until compression has read them, so
@@ -145,9 +145,11 @@ class Engine:
         other streams must wait for ``handle.staged`` first. CPU tensors are copied before return.
         Raises the failure of an earlier save's background work, if any, before starting.
         After `guard(optimizer)`, it returns before the state has been read instead (see there).
+        `local`: this rank alone saves its whole state, also under torch.distributed (a trainer
+        that saves replicated state from rank 0 only, as Lightning and Hugging Face do under DDP).
         """
         with self._api_lock:
-            if self._distributed():
+            if not local and self._distributed():
                 self.saves.check(step)
                 return self._dist.save(step, state_dict)
             return self.saves.save(step, state_dict)
