@@ -1,0 +1,139 @@
+"""Hugging Face Trainer: `TieredCallback` saves through tiered, `resume_checkpoint` resumes.
+
+    from tiered.integrations.hf import TieredCallback, resume_checkpoint
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[TieredCallback("tiered.yaml")])
+    trainer.train()                                        # saves at args.save_steps, through tiered
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "tiered.yaml"))   # newest step
+
+**Saving.** Where the Trainer would save (``save_strategy``/``save_steps``), the callback saves
+instead: the model's and the optimizer's state dicts through the engine, as the step
+``global_step`` (compressed on the GPU, written in the background), and the scheduler, the AMP
+scaler (given ``trainer=``), the RNG states and the ``TrainerState`` in a small pointer file,
+``output_dir/checkpoint-<step>.tiered``, once the step is durable
+(`tiered.integrations.common`). The Trainer's own save is skipped, so ``save_total_limit`` does
+not apply: the tiers' retention (``keep_last``) bounds what is kept. The saved ``TrainerState`` is
+the one at the end of the step, before that step's log line and evaluation.
+
+**Resuming.** `resume_checkpoint` rebuilds a Trainer checkpoint folder from a tiered step
+(weights, optimizer, scheduler, scaler, RNG, trainer state, in the Trainer's own file names) and
+returns its path for ``trainer.train(resume_from_checkpoint=...)``, so the Trainer's own resume
+(skipping the batches already seen, restoring each state) runs unchanged. That costs one local
+write of the state at a cold start; the save path never writes these files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError("tiered.integrations.hf needs transformers: pip install 'tiered[hf]'") from exc
+
+import torch
+
+from tiered.integrations.common import StepStore
+
+POINTER_SUFFIX = ".tiered"
+
+
+def pointer_path(output_dir: str | os.PathLike, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}{POINTER_SUFFIX}"
+
+
+class TieredCallback(TrainerCallback):
+    """`config`: a tiered config (path, dict, None for the embedded default) or an `Engine`.
+    `trainer`: the Trainer, where its AMP gradient scaler should be saved too (fp16 training)."""
+
+    def __init__(self, config: Any = None, *, trainer: Any = None):
+        self.store = StepStore(config)
+        self.trainer = trainer
+
+    @property
+    def engine(self) -> Any:
+        return self.store.engine
+
+    def on_step_end(self, args, state, control, **kwargs):
+        return self._save_if_asked(args, state, control, **kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):  # save_strategy="epoch"
+        return self._save_if_asked(args, state, control, **kwargs)
+
+    def _save_if_asked(self, args, state, control, **kwargs):
+        if not control.should_save:
+            return control
+        control.should_save = False  # saved here instead: the Trainer's own save would write it all again
+        if not state.is_world_process_zero:  # the Trainer saves replicated (DDP) state from one process too
+            return control
+        model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        if model is None or optimizer is None:
+            raise ValueError("TieredCallback needs the Trainer's model and optimizer (passed to every callback)")
+        tensors = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
+        rest = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
+        self.store.save(int(state.global_step), tensors, rest, pointer_path(args.output_dir, state.global_step))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.store.wait()  # every checkpoint durable, its pointer written, before train() returns
+        return control
+
+    def close(self) -> None:
+        """Close the engine this callback made (at exit it is closed anyway, after its saves)."""
+        self.store.close()
+
+
+def saved_steps(output_dir: str | os.PathLike) -> list[int]:
+    """Steps with a pointer under `output_dir`, ascending."""
+    out = []
+    for p in Path(output_dir).glob(f"checkpoint-*{POINTER_SUFFIX}"):
+        digits = p.name[len("checkpoint-"):-len(POINTER_SUFFIX)]
+        if digits.isdigit():
+            out.append(int(digits))
+    return sorted(out)
+
+
+def resume_checkpoint(trainer: Any, config: Any = None, step: int | None = None) -> str | None:
+    """The path of a Trainer checkpoint folder rebuilt from tiered `step` (default: the newest
+    with a pointer in ``trainer.args.output_dir``), for ``trainer.train(resume_from_checkpoint=)``;
+    None where there is none (a first run). `config`: as for `TieredCallback`, or the callback
+    itself (its engine is used)."""
+    from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+    from transformers.utils import WEIGHTS_NAME
+
+    output_dir = trainer.args.output_dir
+    steps = saved_steps(output_dir)
+    if step is None:
+        if not steps:
+            return None
+        step = steps[-1]
+    elif step not in steps:
+        raise FileNotFoundError(f"no tiered checkpoint of step {step} in {output_dir} (saved: {steps or 'none'})")
+    store = config.store if isinstance(config, TieredCallback) else StepStore(config)
+    try:
+        saved, rng = store.load(pointer_path(output_dir, step), device="cpu")
+    finally:
+        if not isinstance(config, TieredCallback):
+            store.close()
+    folder = Path(output_dir) / "tiered-resume" / f"checkpoint-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(saved["model"], folder / WEIGHTS_NAME)
+    torch.save(saved["optimizer"], folder / OPTIMIZER_NAME)
+    if saved.get("scheduler") is not None:
+        torch.save(saved["scheduler"], folder / SCHEDULER_NAME)
+    if saved.get("scaler") is not None:
+        torch.save(saved["scaler"], folder / SCALER_NAME)
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    hf_rng = {"python": rng["python"], "numpy": (name, keys.numpy(), pos, has_gauss, cached), "cpu": rng["torch"]}
+    if rng.get("cuda"):
+        hf_rng["cuda"] = rng["cuda"][torch.cuda.current_device() if torch.cuda.is_available() else 0]
+    torch.save(hf_rng, folder / "rng_state.pth")
+    (folder / TRAINER_STATE_NAME).write_text(json.dumps(json.loads(saved["trainer_state"]), indent=2))
+    return str(folder)
