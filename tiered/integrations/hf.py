@@ -105,9 +105,6 @@ def resume_checkpoint(trainer: Any, config: Any = None, step: int | None = None)
     with a pointer in ``trainer.args.output_dir``), for ``trainer.train(resume_from_checkpoint=)``;
     None where there is none (a first run). `config`: as for `TieredCallback`, or the callback
     itself (its engine is used)."""
-    from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
-    from transformers.utils import WEIGHTS_NAME
-
     output_dir = trainer.args.output_dir
     steps = saved_steps(output_dir)
     if step is None:
@@ -116,13 +113,29 @@ def resume_checkpoint(trainer: Any, config: Any = None, step: int | None = None)
         step = steps[-1]
     elif step not in steps:
         raise FileNotFoundError(f"no tiered checkpoint of step {step} in {output_dir} (saved: {steps or 'none'})")
+    folder = Path(output_dir) / "tiered-resume" / f"checkpoint-{step}"
+    accelerator = getattr(trainer, "accelerator", None)
+    if trainer.args.world_size > 1 and not trainer.is_world_process_zero():
+        if accelerator is not None:
+            accelerator.wait_for_everyone()  # the first process rebuilds the folder (output_dir is shared)
+        return str(folder)
     store = config.store if isinstance(config, TieredCallback) else StepStore(config)
     try:
         saved, rng = store.load(pointer_path(output_dir, step), device="cpu")
     finally:
         if not isinstance(config, TieredCallback):
             store.close()
-    folder = Path(output_dir) / "tiered-resume" / f"checkpoint-{step}"
+    _write_folder(folder, saved, rng)
+    if trainer.args.world_size > 1 and accelerator is not None:
+        accelerator.wait_for_everyone()
+    return str(folder)
+
+
+def _write_folder(folder: Path, saved: dict[str, Any], rng: dict[str, Any]) -> None:
+    """The Trainer's checkpoint files, from a tiered step's state and its pointer."""
+    from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+    from transformers.utils import WEIGHTS_NAME
+
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(saved["model"], folder / WEIGHTS_NAME)
     torch.save(saved["optimizer"], folder / OPTIMIZER_NAME)
@@ -136,4 +149,3 @@ def resume_checkpoint(trainer: Any, config: Any = None, step: int | None = None)
         hf_rng["cuda"] = rng["cuda"][torch.cuda.current_device() if torch.cuda.is_available() else 0]
     torch.save(hf_rng, folder / "rng_state.pth")
     (folder / TRAINER_STATE_NAME).write_text(json.dumps(json.loads(saved["trainer_state"]), indent=2))
-    return str(folder)
