@@ -50,6 +50,9 @@ def test_the_default_engine_migrates_through_a_child_process(tmp_path):
         assert (tmp_path / "local" / ".tiered-migrate.lock").read_text().strip() == str(child), \
             "the child holds the fast tier's migration lock"
         got = engine.load(1, tier="shared")
+        hops = [r for r in engine.stats() if r["kind"] == "migrate"]
+        assert [(r["step"], r["src"], r["dst"]) for r in hops] == [(1, "local", "shared")]
+        assert hops[0]["source"].endswith(f"-{child}.jsonl"), "the child records its migrations in a file of its own"
     assert torch.equal(got["w"], _state(1)["w"]) and got["step"] == 1
     assert _lock_free(tmp_path), "the child exited with the engine"
 

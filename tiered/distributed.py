@@ -39,6 +39,7 @@ from tiered.dcp_commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_co
 from tiered.dcp_storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest, RankEntry
+from tiered.records import save_record
 from tiered.save import SaveHandle
 
 log = logging.getLogger("tiered")
@@ -107,8 +108,8 @@ class DistributedSaver:
         handle.timings["dcp_plan_ms"] = plan_ms
         with self._lock:
             self._pending.append(handle)
-        self._jobs.put((step, list(final.items), rank_handle, metadata, save_id, handle))
         handle.stall_s = time.perf_counter() - t0
+        self._jobs.put((step, list(final.items), rank_handle, metadata, save_id, handle, t0))
         return handle
 
     def _all(self, flag: bool) -> bool:
@@ -138,7 +139,7 @@ class DistributedSaver:
             job = self._jobs.get()
             if job is None:
                 return
-            step, items, rank_handle, metadata, save_id, handle = job
+            step, items, rank_handle, metadata, save_id, handle, t0 = job
             try:
                 manifest = self._commit(step, items, rank_handle, metadata, save_id)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
@@ -149,6 +150,9 @@ class DistributedSaver:
                     handle.staged.set_exception(err)
                 handle.persisted.set_exception(err)
                 continue
+            if self.rank == 0:  # the coordinator's record of the step, for every rank
+                self.saves.records.append(save_record(manifest, self.saves.tier.name, handle,
+                                                      time.perf_counter() - t0, [], "dcp"))
             self.saves.notify_committed(step)
             handle.persisted.set_result(manifest)
 

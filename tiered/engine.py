@@ -30,6 +30,7 @@ from tiered.catalog import TierCatalog, saved_through_dcp
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import TieredError
 from tiered.format import Manifest, RankIndex
+from tiered.records import read_records, records_root
 from tiered.restore import Restorer
 from tiered.runtime import Workers
 from tiered.save import SaveHandle, SavePipeline
@@ -131,6 +132,10 @@ class Engine:
     def latest_step(self, tier: str | None = None) -> int | None:
         """The newest committed step on a tier; default: on any tier (what `restore()` picks)."""
         return self.catalog.latest_step(tier)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """The records every save and migration of these checkpoints left (tiered.records), oldest first."""
+        return read_records(records_root(self.config))
 
     def read_index(self, step: int, tier: str | None = None) -> tuple[Manifest, RankIndex]:
         """A committed step's manifest and this rank's index, validated and cross-checked."""

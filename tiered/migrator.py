@@ -35,6 +35,7 @@ from tiered.cpu import read_chunk
 from tiered.errors import TieredError
 from tiered.format import MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_pinned
 from tiered.policy import choose_codec, evictable
+from tiered.records import RecordLog, migrate_record, records_root
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.units import format_rate, format_size
 
@@ -220,7 +221,7 @@ def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool
                  gpu: GpuRecoder | None, progress: Callable[[int], None] | None = None) -> int:
     """Copy `step` down every hop it is missing from (each tier from the one above it, so it is
     recompressed once, where the codec changes). Returns the number of copies made."""
-    made = 0
+    made, records = 0, RecordLog(records_root(config))
     by_name = {t.name: t for t in config.tiers}
     names = [t.name for t in config.tiers]
     for upper, lower in zip(names, names[1:]):
@@ -228,9 +229,12 @@ def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool
         if dst.has_step(step) or not src.has_step(step):
             continue
         codec = choose_tier_codec(step, src, by_name[lower], dst, settings=config.zstd, pool=pool, gpu=gpu)
-        if migrate_step(step, src, dst, codec=codec, settings=config.zstd, pool=pool, gpu=gpu,
-                        progress=progress) is not None:
+        t0 = time.perf_counter()
+        manifest = migrate_step(step, src, dst, codec=codec, settings=config.zstd, pool=pool, gpu=gpu,
+                                progress=progress)
+        if manifest is not None:
             made += 1
+            records.append(migrate_record(manifest, upper, lower, time.perf_counter() - t0, [codec] if codec else []))
     return made
 
 

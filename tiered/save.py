@@ -51,6 +51,7 @@ from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankInde
 from tiered.overlap import Guard, guarded_storages, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
+from tiered.records import RecordLog, codecs_of, records_root, save_record
 from tiered.runtime import Workers
 from tiered.units import format_size, round_up
 from tiered.version import __version__
@@ -168,6 +169,7 @@ class SavePipeline:
         self._logged_strict = False
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[_Job | None]" = queue.Queue()
+        self.records = RecordLog(records_root(config))
         self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
         self._writer.start()
 
@@ -315,6 +317,8 @@ class SavePipeline:
         handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all), tier=tier.name,
                             _reported=self._reported)
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
+        handle.staged.add_done_callback(
+            lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
         overlapped = self._overlapped(plan) if self._guards else None
         job = _Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
@@ -453,6 +457,9 @@ class SavePipeline:
             stored_bytes=files.stored_bytes, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             writer=f"tiered {__version__}")
         job.tier.commit(job.step, manifest.to_json())
+        durable = time.perf_counter() - job.started + job.handle.timings.get("plan_ms", 0.0) / 1e3
+        self.records.append(save_record(manifest, job.tier.name, job.handle, durable, codecs_of(files.index.tensors),
+                                        files.index.io))
         log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
                  "[%s]", job.step, "" if job.tier is self.tier else f" on tier {job.tier.name!r}",
                  format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
