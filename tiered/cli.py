@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Sequence, TextIO
 
 from tiered.catalog import TierCatalog
+from tiered.cli_stats import add_parsers as add_stats_parsers
 from tiered.config import load_config
 from tiered.errors import CheckpointNotFoundError, ConfigError, TieredError
 from tiered.format import present_ranks, read_pinned, read_step
@@ -431,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="use every core at normal priority (default: a quarter of the cores, niced, so that "
                          "training on the same node keeps the machine)")
     mi.set_defaults(fn=cmd_migrate)
+    add_stats_parsers(sub, _common)
     re_ = sub.add_parser("restore", help="the same as tiered-restore", description=RESTORE_DESCRIPTION,
                          epilog=RESTORE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _restore_parser(re_)

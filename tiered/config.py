@@ -65,6 +65,10 @@ class TierConfig:
     """Retention: keep the newest `keep_last` steps here (None: no limit from this rule)."""
     keep_every: int | None = None
     """Retention: also keep every step that is a multiple of `keep_every`."""
+    price_per_gb_month: float | None = None
+    """USD per GB stored for a month here (`tiered cost`); None: not priced."""
+    egress_per_gb: float | None = None
+    """USD per GB copied into this tier (`tiered cost`: a cloud's transfer or request charges); None: free."""
 
     @property
     def retention(self) -> bool:
@@ -312,6 +316,11 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
         if value is not None and value < 1:
             raise f.error(key, f"must be at least 1 (leave it out to keep every step), got {value}")
         retention[key] = value
+    for key in ("price_per_gb_month", "egress_per_gb"):
+        value = f.get(key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise f.error(key, f"must be a number of US dollars >= 0, got {value!r}")
+        retention[key] = None if value is None else float(value)
     common = dict(name=name, kind=kind, codec=codec, portable=portable, bandwidth=bandwidth, **retention)
     if kind in ("local", "posix"):
         path = f.typed("path", str, required=True)

@@ -83,6 +83,15 @@ def tier_bandwidth(cfg: TierConfig, tier: Any, nbytes: int = PROBE_BYTES) -> flo
     return bandwidth
 
 
+def cached_bandwidth(cfg: TierConfig) -> float | None:
+    """The tier's configured bandwidth, or the one probed and cached earlier; None: never probed."""
+    if cfg.bandwidth:
+        return cfg.bandwidth
+    entry = _read_cache(cache_dir() / "bandwidth.json").get(tier_location(cfg))
+    rate = entry.get("bytes_per_s") if isinstance(entry, dict) else None
+    return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+
+
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
