@@ -8,7 +8,7 @@
 3. Trains a small GPT, saving every --save-every steps: save() compresses (nvCOMP ANS on a GPU,
    through KvikIO; zstd or none on a CPU, as the codec policy measures) and returns; a background
    thread migrates each step to the shared tier and to S3, recompressing to portable zstd.
-4. `tiered ls`, then deletes the local and shared tiers: only S3 is left.
+4. `tiered ls` and `tiered stats`, then deletes the local and shared tiers: only S3 is left.
 5. `tiered-restore` pulls the newest step from S3 into the local tier (cold start), a fresh
    model restores from it, is compared bit for bit, and trains on identically.
 
@@ -204,6 +204,7 @@ def train_and_restore(args, config: Path, device: str, params: float, ctx: int, 
         print("no checkpoint was saved (raise --steps or lower --save-every)")
         return 1
     run(cli("tiered") + ["ls", "--config", str(config)])
+    run(cli("tiered") + ["stats", "--quiet", "--config", str(config)])  # what the saves and migrations cost
     if own_tiers and len(tiers) > 1:
         for t in engine.config.tiers[:-1]:
             shutil.rmtree(t.path)
