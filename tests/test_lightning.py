@@ -12,7 +12,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs Lightning: pip insta
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-from tiered.integrations.lightning import TieredCheckpointIO  # noqa: E402
+from tiered.integrations.lightning import TieredCheckpointIO, TieredMetrics  # noqa: E402
 
 
 class Tiny(pl.LightningModule):
@@ -112,3 +112,21 @@ def test_a_checkpoint_not_saved_through_tiered_is_refused_clearly(tmp_path, tier
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         io.load_checkpoint(tmp_path / "missing.ckpt")
     io.teardown()
+
+
+def test_tiered_metrics_reach_the_trainers_logger(tmp_path, tier_config):
+    from lightning.pytorch.loggers import CSVLogger
+
+    pl.seed_everything(0)
+    logger = CSVLogger(tmp_path / "logs", name="run")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=4, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=8, plugins=[TieredCheckpointIO(tier_config("zstd"))],
+                         callbacks=[checkpoints, TieredMetrics()], logger=logger, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(Tiny(), _data())
+    import csv
+
+    rows = list(csv.DictReader(open(next((tmp_path / "logs").rglob("metrics.csv")))))
+    saves = {int(r["step"]): r for r in rows if r.get("tiered/save_stall_ms")}
+    assert sorted(saves) == [4, 8], rows
+    assert all(float(r["tiered/save_durable_s"]) > 0 and float(r["tiered/save_stored_gb"]) > 0 for r in saves.values())

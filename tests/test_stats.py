@@ -134,3 +134,23 @@ def test_no_records_and_bad_prices_are_clear_errors(tmp_path, capsys):
     bad["tiers"][1]["price_per_gb_month"] = "cheap"
     with pytest.raises(tiered.errors.ConfigError, match=r"tiers\[1\].price_per_gb_month: must be a number"):
         tiered.load_config(bad)
+
+
+def test_a_subscriber_gets_each_record_and_its_failure_never_fails_a_save(tmp_path, caplog):
+    from tiered.records import subscribe
+
+    got = []
+    stop_good = subscribe(got.append)
+    stop_bad = subscribe(lambda r: 1 / 0)
+    try:
+        with tiered.Engine.from_config(_config(tmp_path)) as engine:
+            engine.save(1, {"w": torch.ones(1000)}).wait()
+            engine.wait_migrated(60)
+    finally:
+        stop_good()
+        stop_bad()
+    assert [(r["kind"], r["step"]) for r in got] == [("save", 1), ("migrate", 1)]
+    assert "a records listener failed" in caplog.text
+    with tiered.Engine.from_config(_config(tmp_path / "again")) as engine:
+        engine.save(2, {"w": torch.ones(10)}).wait()
+    assert len(got) == 2, "unsubscribed"

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("tiered")
 
@@ -34,6 +34,25 @@ RECORDS_DIR = ".tiered-records"
 VERSION = 1
 _lock = threading.Lock()  # one write at a time in this process: the engine's and its migrator's records
 _warned: set[Path] = set()
+_listeners: list[Callable[[dict[str, Any]], None]] = []
+
+
+def subscribe(listener: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """Call `listener(record)` with every record this process writes from now on (its saves, and
+    its migrations where it migrates itself: ``migration: in_process``); returns the function
+    that unsubscribes it. It runs on the engine's threads: keep it short (hand the record to a
+    queue, or to a logger that is thread-safe). An exception it raises is logged and ignored.
+
+        tiered.records.subscribe(lambda r: wandb.log({"ckpt/stall_s": r["stall_s"]}) if r["kind"] == "save" else None)
+    """
+    with _lock:
+        _listeners.append(listener)
+
+    def unsubscribe() -> None:
+        with _lock:
+            if listener in _listeners:
+                _listeners.remove(listener)
+    return unsubscribe
 
 
 def now() -> str:
@@ -55,6 +74,13 @@ class RecordLog:
         self._lock = _lock
 
     def append(self, record: dict[str, Any]) -> None:
+        with _lock:
+            listeners = list(_listeners)
+        for listener in listeners:
+            try:
+                listener(dict(record))
+            except Exception:  # noqa: BLE001 - a logger's failure never fails a save
+                log.exception("tiered: a records listener failed")
         if self.path is None:
             return
         line = (json.dumps({"v": VERSION, **record}, separators=(",", ":"), allow_nan=False) + "\n").encode()

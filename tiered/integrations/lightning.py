@@ -21,16 +21,19 @@ copied whole to the host first.
 from __future__ import annotations
 
 import os
+import queue
 from typing import Any, Optional
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.pytorch.callbacks import Callback
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("tiered.integrations.lightning needs Lightning: pip install 'tiered[lightning]'") from exc
 
 import torch
 
 from tiered.integrations.common import StepStore, set_rng_states, single_process
+from tiered.records import subscribe
 
 TENSOR_KEYS = ("state_dict", "optimizer_states")
 """The parts of a Lightning checkpoint that go through the engine; the rest goes in the pointer."""
@@ -77,3 +80,46 @@ class TieredCheckpointIO(CheckpointIO):
         """Lightning calls this at the end of fit: wait until every checkpoint is durable (and
         its pointer written), then close the engine this plugin made."""
         self.store.close()
+
+
+class TieredMetrics(Callback):
+    """Sends what each tiered save and migration cost to the Trainer's loggers (TensorBoard, W&B,
+    CSV...): ``tiered/save_stall_ms``, ``tiered/save_durable_s``, ``tiered/save_stored_gb``,
+    ``tiered/save_saved_pct``, and ``tiered/migrate_<src>_<dst>_s`` where this process migrates.
+    Logged at the next training batch's end after the record, at the saved step.
+
+        Trainer(plugins=[TieredCheckpointIO(cfg)], callbacks=[TieredMetrics(), ...])
+    """
+
+    def __init__(self) -> None:
+        self._records: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
+        self._unsubscribe: Any = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._unsubscribe is None:
+            self._unsubscribe = subscribe(self._records.put)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.flush(trainer)
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.flush(trainer)
+
+    def flush(self, trainer: Any) -> None:
+        """Log the records that came since the last call."""
+        while True:
+            try:
+                r = self._records.get_nowait()
+            except queue.Empty:
+                return
+            if r["kind"] == "save":
+                saved = 1 - r["stored_bytes"] / r["raw_bytes"] if r["raw_bytes"] else 0.0
+                metrics = {"tiered/save_stall_ms": 1e3 * r["stall_s"], "tiered/save_durable_s": r["durable_s"],
+                           "tiered/save_stored_gb": r["stored_bytes"] / 1e9, "tiered/save_saved_pct": 100 * saved}
+            else:
+                metrics = {f"tiered/migrate_{r['src']}_{r['dst']}_s": r["seconds"]}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=r["step"])
