@@ -130,3 +130,21 @@ def test_tiered_metrics_reach_the_trainers_logger(tmp_path, tier_config):
     saves = {int(r["step"]): r for r in rows if r.get("tiered/save_stall_ms")}
     assert sorted(saves) == [4, 8], rows
     assert all(float(r["tiered/save_durable_s"]) > 0 and float(r["tiered/save_stored_gb"]) > 0 for r in saves.values())
+
+
+def test_ddp_saves_from_rank_zero_and_every_rank_resumes(tmp_path):
+    """Two CPU ranks under torchrun (Lightning's DDP strategy, gloo)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "result.json"
+    worker = Path(__file__).parent / "lightning_ddp_worker.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(worker), str(tmp_path), str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["world"] == 2 and got["steps"] == [4, 8, 12]
+    ref = {int(k): v for k, v in got["ref"].items()}
+    assert {int(k): v for k, v in got["resumed"].items()} == {s: ref[s] for s in range(9, 13)}
+    assert got["digest"] == got["ref_digest"], "the resumed DDP run ends with the same weights"
