@@ -25,6 +25,7 @@ write of the state at a cold start; the save path never writes these files.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 from pathlib import Path
@@ -37,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 import torch
 
-from tiered.integrations.common import StepStore
+from tiered.integrations.common import StepStore, rng_states
 
 POINTER_SUFFIX = ".tiered"
 
@@ -68,6 +69,16 @@ class TieredCallback(TrainerCallback):
         if not control.should_save:
             return control
         control.should_save = False  # saved here instead: the Trainer's own save would write it all again
+        per_process = None
+        if args.world_size > 1:  # every process's RNG streams (dropout differs by process), as the Trainer keeps them
+            import torch.distributed as dist
+
+            buf = io.BytesIO()
+            torch.save(rng_states(), buf)  # as bytes: tensors inside gather_object's pickles do not load back
+            per_process = [None] * args.world_size if state.is_world_process_zero else None
+            dist.gather_object(buf.getvalue(), per_process, dst=0)
+            if per_process is not None:
+                per_process = [torch.load(io.BytesIO(b), weights_only=True) for b in per_process]
         if not state.is_world_process_zero:  # the Trainer saves replicated (DDP) state from one process too
             return control
         model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
@@ -77,7 +88,7 @@ class TieredCallback(TrainerCallback):
         scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
         rest = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "scaler": scaler.state_dict() if scaler is not None else None,
-                "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
+                "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True), "rng_per_process": per_process}
         self.store.save(int(state.global_step), tensors, rest, pointer_path(args.output_dir, state.global_step))
         return control
 
@@ -106,16 +117,31 @@ def resume_checkpoint(trainer: Any, config: Any = None, step: int | None = None)
     None where there is none (a first run). `config`: as for `TieredCallback`, or the callback
     itself (its engine is used)."""
     output_dir = trainer.args.output_dir
-    steps = saved_steps(output_dir)
-    if step is None:
-        if not steps:
-            return None
-        step = steps[-1]
-    elif step not in steps:
-        raise FileNotFoundError(f"no tiered checkpoint of step {step} in {output_dir} (saved: {steps or 'none'})")
+    several = trainer.args.world_size > 1
+    chosen: Any = None
+    if not several or trainer.is_world_process_zero():
+        steps = saved_steps(output_dir)
+        if step is None:
+            chosen = steps[-1] if steps else None
+        elif step in steps:
+            chosen = step
+        else:
+            chosen = FileNotFoundError(f"no tiered checkpoint of step {step} in {output_dir} "
+                                       f"(saved: {steps or 'none'})")
+    if several:  # the first process decides, so that every process resumes from the same step
+        import torch.distributed as dist
+
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    if isinstance(chosen, Exception):
+        raise chosen
+    if chosen is None:
+        return None
+    step = chosen
     folder = Path(output_dir) / "tiered-resume" / f"checkpoint-{step}"
     accelerator = getattr(trainer, "accelerator", None)
-    if trainer.args.world_size > 1 and not trainer.is_world_process_zero():
+    if several and not trainer.is_world_process_zero():
         if accelerator is not None:
             accelerator.wait_for_everyone()  # the first process rebuilds the folder (output_dir is shared)
         return str(folder)
@@ -143,9 +169,20 @@ def _write_folder(folder: Path, saved: dict[str, Any], rng: dict[str, Any]) -> N
         torch.save(saved["scheduler"], folder / SCHEDULER_NAME)
     if saved.get("scaler") is not None:
         torch.save(saved["scaler"], folder / SCALER_NAME)
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    hf_rng = {"python": rng["python"], "numpy": (name, keys.numpy(), pos, has_gauss, cached), "cpu": rng["torch"]}
-    if rng.get("cuda"):
-        hf_rng["cuda"] = rng["cuda"][torch.cuda.current_device() if torch.cuda.is_available() else 0]
-    torch.save(hf_rng, folder / "rng_state.pth")
+    per_process = saved.get("rng_per_process")
+    if per_process:  # the Trainer's files of several processes: rng_state_<i>.pth, all CUDA devices each
+        for i, r in enumerate(per_process):
+            torch.save(_hf_rng(r, all_devices=True), folder / f"rng_state_{i}.pth")
+    else:
+        torch.save(_hf_rng(rng, all_devices=False), folder / "rng_state.pth")
     (folder / TRAINER_STATE_NAME).write_text(json.dumps(json.loads(saved["trainer_state"]), indent=2))
+
+
+def _hf_rng(rng: dict[str, Any], all_devices: bool) -> dict[str, Any]:
+    """`tiered.integrations.common.rng_states` in the Trainer's rng_state file format."""
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    out = {"python": rng["python"], "numpy": (name, keys.numpy(), pos, has_gauss, cached), "cpu": rng["torch"]}
+    if rng.get("cuda"):
+        here = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        out["cuda"] = rng["cuda"] if all_devices else rng["cuda"][here]
+    return out
