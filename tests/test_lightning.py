@@ -97,7 +97,7 @@ def test_resume_from_a_checkpoint_path(tmp_path, tier_config):
     config = tier_config("zstd")
     _, _, ref, _ = _fit(tmp_path / "ref", config | {"tiers": [
         {**config["tiers"][0], "path": str(tmp_path / "ref-tier")}]}, max_steps=16)
-    _fit(tmp_path, config, max_steps=16, top_k=-1)
+    _fit(tmp_path, config, max_steps=8, top_k=-1)
     step8 = next((tmp_path / "ckpts").glob("*step=8.ckpt"))
     _, trainer, resumed, _ = _fit(tmp_path / "again", config, max_steps=16, ckpt_path=step8)
     assert resumed == {s: ref[s] for s in range(9, 17)}
@@ -148,3 +148,14 @@ def test_ddp_saves_from_rank_zero_and_every_rank_resumes(tmp_path):
     ref = {int(k): v for k, v in got["ref"].items()}
     assert {int(k): v for k, v in got["resumed"].items()} == {s: ref[s] for s in range(9, 13)}
     assert got["digest"] == got["ref_digest"], "the resumed DDP run ends with the same weights"
+
+
+def test_a_new_run_in_an_old_runs_tier_is_refused_clearly(tmp_path, tier_config):
+    config = tier_config("zstd")
+    _fit(tmp_path / "first", config, max_steps=4)
+    with pytest.raises(Exception, match="An earlier run saved it in the same tier"):
+        _fit(tmp_path / "second", config, max_steps=4)  # a fresh run: its step 4 is the old run's
+    # nothing of the first run was touched
+    io = TieredCheckpointIO(config)
+    assert io.engine.steps() == [4] and io.load_checkpoint(tmp_path / "first" / "ckpts" / "last.ckpt")["global_step"] == 4
+    io.teardown()

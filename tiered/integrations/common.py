@@ -100,6 +100,8 @@ class StepStore:
         self._lock = threading.Condition()
         self._inflight: dict[int, Any] = {}
         """Saves of this store not yet durable, by step."""
+        self._saved: set[int] = set()
+        """Steps this store saved (a second path at one of them shares it)."""
         self._pending: dict[str, object] = {}
         """Pointers waiting for their step, by path (a token: a later save or a remove replaces it)."""
         self._callbacks = 0
@@ -117,21 +119,31 @@ class StepStore:
             return self._engine
 
     def save(self, step: int, tensors: Any, rest: dict[str, Any], path: str | os.PathLike) -> Any:
-        """Save `tensors` as `step` (unless this store saved that step already, or it is committed)
-        and write the pointer to `path` once the step is durable. Returns the step's handle, or
-        None where the step was already committed."""
+        """Save `tensors` as `step` (unless this store saved that step already) and write the
+        pointer to `path` once the step is durable. Returns the step's handle, or None where the
+        step was durable already. A step committed before, by another run in the same tier, is
+        refused (steps are immutable): a new experiment needs a tier of its own."""
         engine, key = self.engine, os.fspath(path)
         buf = io.BytesIO()  # the rest is captured now: the trainer changes it once this returns
         torch.save({"format": POINTER_FORMAT, "version": POINTER_VERSION, "step": step,
                     "fast_tier": engine.config.fast_tier.name, "rng": rng_states(), "checkpoint": rest}, buf)
         data, token = buf.getvalue(), object()
         with self._lock:
-            handle = self._inflight.get(step)
-            self._pending[key] = token
-        if handle is None and step not in engine.steps(engine.config.fast_tier.name):
-            handle = engine.save(step, tensors, local=True)
+            handle, mine = self._inflight.get(step), step in self._saved
+        if handle is None and not mine:
+            try:
+                handle = engine.save(step, tensors, local=True)
+            except TieredError as exc:
+                if step in engine.steps(engine.config.fast_tier.name):
+                    raise TieredError(f"{exc}. An earlier run saved it in the same tier: give each training run a "
+                                      "tier path of its own; to branch from an older checkpoint, delete the "
+                                      "steps after it first") from None
+                raise
             with self._lock:
                 self._inflight[step] = handle
+                self._saved.add(step)
+        with self._lock:
+            self._pending[key] = token
         if handle is None:
             self._write(key, token, data)
             return None
