@@ -107,3 +107,21 @@ def test_ddp_saves_from_the_first_process_and_every_process_resumes(tmp_path):
     ref = {int(k): v for k, v in got["ref"].items()}
     assert {int(k): v for k, v in got["resumed"].items() if int(k) > 8} == {s: ref[s] for s in range(9, 17)}
     assert got["digest"] == got["ref_digest"], "the resumed DDP run ends with the same weights"
+
+
+def test_the_amp_scaler_in_accelerates_optimizer_is_saved_and_restored(tmp_path, tier_config):
+    from accelerate.optimizer import AcceleratedOptimizer
+    from transformers import TrainerControl, TrainerState
+
+    trainer, cb = _trainer(tmp_path / "amp", tier_config("zstd"))
+    model = trainer.model
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    opt = AcceleratedOptimizer(torch.optim.AdamW(model.parameters()), device_placement=False, scaler=scaler)
+    state, control = TrainerState(global_step=4), TrainerControl(should_save=True)
+    cb.on_step_end(trainer.args, state, control, model=model, optimizer=opt, lr_scheduler=None)
+    cb.store.wait()
+    folder = resume_checkpoint(trainer, cb)
+    saved = torch.load(f"{folder}/scaler.pt", weights_only=True)
+    assert saved["scale"] == 1024.0 and not control.should_save
+    cb.close()

@@ -9,7 +9,7 @@
 **Saving.** Where the Trainer would save (``save_strategy``/``save_steps``), the callback saves
 instead: the model's and the optimizer's state dicts through the engine, as the step
 ``global_step`` (compressed on the GPU, written in the background), and the scheduler, the AMP
-scaler (given ``trainer=``), the RNG states and the ``TrainerState`` in a small pointer file,
+scaler, the RNG states and the ``TrainerState`` in a small pointer file,
 ``output_dir/checkpoint-<step>.tiered``, once the step is durable
 (`tiered.integrations.common`). The Trainer's own save is skipped, so ``save_total_limit`` does
 not apply: the tiers' retention (``keep_last``) bounds what is kept. The saved ``TrainerState`` is
@@ -49,7 +49,8 @@ def pointer_path(output_dir: str | os.PathLike, step: int) -> Path:
 
 class TieredCallback(TrainerCallback):
     """`config`: a tiered config (path, dict, None for the embedded default) or an `Engine`.
-    `trainer`: the Trainer, where its AMP gradient scaler should be saved too (fp16 training)."""
+    `trainer`: the Trainer, only where its optimizer does not carry the AMP gradient scaler
+    (accelerate's optimizer does: fp16 training saves it without this)."""
 
     def __init__(self, config: Any = None, *, trainer: Any = None):
         self.store = StepStore(config)
@@ -85,7 +86,10 @@ class TieredCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise ValueError("TieredCallback needs the Trainer's model and optimizer (passed to every callback)")
         tensors = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
+        # The AMP gradient scaler (fp16): the Trainer's optimizer is accelerate's, which holds it.
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is None:
+            scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
         rest = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True), "rng_per_process": per_process}
