@@ -51,16 +51,21 @@ def cmd_report(args: argparse.Namespace, catalog: TierCatalog) -> int:
 
 
 def cmd_cost(args: argparse.Namespace, catalog: TierCatalog) -> int:
-    summary = summarize(_records(catalog))
+    records = _records(catalog)
+    summary = summarize(records)
+    if summary["saves"] is None:
+        raise TieredError("no saves recorded (only migrations): the bill is made from saves")
     fast = catalog.config.fast_tier
+    saves = [r for r in records if r["kind"] == "save" and r["durable_s"] > 0]
     if args.disk_gbps:
         rate = (args.disk_gbps * 1e9, "--disk-gbps")
     elif cached_bandwidth(fast):
         rate = (cached_bandwidth(fast), f"tier {fast.name!r}'s configured or probed write bandwidth")
+    elif saves:
+        per_gpu = max(r["stored_bytes"] / r.get("ranks", 1) / r["durable_s"] for r in saves)
+        rate = (per_gpu, "the fastest recorded save: stored bytes per rank over its time to durable (a lower bound)")
     else:
-        s = summary["saves"]
-        rate = (s["stored_bytes"]["max"] / s["durable_s"]["min"],
-                "the fastest recorded save's stored bytes over its time to durable (a lower bound)")
+        raise TieredError("no disk rate: give --disk-gbps")
     cost = monthly_cost(summary, catalog.config.tiers, gpus=args.gpus, gpu_hour=args.gpu_hour,
                         interval_min=args.interval or _interval_min(summary), disk_rate=rate)
     print(json.dumps(cost, indent=1) if args.json else format_cost(cost))
