@@ -47,14 +47,14 @@ def _data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)  # 8 steps an epoch
 
 
-def _fit(root: Path, config: dict, max_steps: int, ckpt_path=None, top_k: int = 2):
+def _fit(root: Path, config: dict, max_steps: int, ckpt_path=None, top_k: int = 2, accelerator: str = "cpu"):
     pl.seed_everything(0)
     model, losses = Tiny(), Losses()
     io = TieredCheckpointIO(config)
     checkpoints = ModelCheckpoint(dirpath=root / "ckpts", every_n_train_steps=4, save_top_k=top_k,
                                   monitor="train_loss", mode="min", save_last=True)
     trainer = pl.Trainer(max_steps=max_steps, plugins=[io], callbacks=[checkpoints, losses], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator=accelerator, devices=1,
                          deterministic=True)
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return model, trainer, losses.by_step, io
@@ -159,3 +159,17 @@ def test_a_new_run_in_an_old_runs_tier_is_refused_clearly(tmp_path, tier_config)
     io = TieredCheckpointIO(config)
     assert io.engine.steps() == [4] and io.load_checkpoint(tmp_path / "first" / "ckpts" / "last.ckpt")["global_step"] == 4
     io.teardown()
+
+
+@pytest.mark.gpu
+def test_lightning_on_a_gpu_with_ans_resumes_bit_exact(tmp_path, tier_config):
+    """The GPU path: weights and AdamW state on the GPU, compressed with nvCOMP ANS."""
+    config = tier_config("ans")
+    ref_model, ref_trainer, ref_losses, _ = _fit(tmp_path / "ref", config | {"tiers": [
+        {**config["tiers"][0], "path": str(tmp_path / "ref-tier")}]}, max_steps=16, accelerator="gpu")
+    _, _, _, io = _fit(tmp_path, config, max_steps=8, accelerator="gpu")
+    _, index = io.engine.read_index(8)
+    assert {t.codec.name for t in index.tensors if t.device.startswith("cuda")} == {"ans"}
+    model, trainer, resumed, _ = _fit(tmp_path, config, max_steps=16, ckpt_path="last", accelerator="gpu")
+    assert resumed == {s: ref_losses[s] for s in range(9, 17)}
+    _same_state(model, trainer, ref_model, ref_trainer)
