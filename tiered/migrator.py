@@ -35,8 +35,8 @@ from tiered.cpu import read_chunk
 from tiered.errors import TieredError
 from tiered.format import MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_pinned
 from tiered.policy import choose_codec, evictable
-from tiered.records import RecordLog, migrate_record, records_root
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
+from tiered.records import RecordLog, migrate_record, records_root
 from tiered.units import format_rate, format_size
 
 __all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLedger", "MigrationLock", "apply_retention", "background_threads",
