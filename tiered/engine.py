@@ -153,7 +153,7 @@ class Engine:
         `local`: this rank alone saves its whole state, also under torch.distributed (a trainer
         that saves replicated state from rank 0 only, as Lightning and Hugging Face do under DDP).
         """
-        with self._api_lock:
+        with self._api_lock, tree.collector_paused():  # thousands of small objects: no full collections inside
             if not local and self._distributed():
                 self.saves.check(step)
                 return self._dist.save(step, state_dict)
