@@ -252,7 +252,9 @@ class FastTierCodec:
         manifest = handle.persisted.result()
         if handle.tier != self.config.fast_tier.name or manifest.stored_bytes < OBSERVE_BYTES:
             return None
-        return manifest.stored_bytes / max(time.monotonic() - self._started, 1e-9)
+        # (_started is taken after planning: add the planning back)
+        elapsed = time.monotonic() - self._started + handle.timings.get("plan_ms", 0.0) / 1e3
+        return manifest.stored_bytes / max(elapsed, 1e-9)
 
     def _decide(self, copies: list[tuple[torch.dtype, Raw]], ready: Any, gpu_index: int | None, handle: Any) -> None:
         cfg = self.config.fast_tier
