@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import subprocess
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
@@ -166,3 +170,19 @@ def new_bucket(server: Any) -> str:
     name = "t" + secrets.token_hex(8)
     s3_client(server).create_bucket(Bucket=name)
     return name
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's state dict, tensor bytes in order (for comparing runs across processes)."""
+    return hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
+
+
+def run_two_ranks(worker: str, root: Path, timeout: float = 240) -> dict:
+    """Run tests/`worker` under torchrun at 2 CPU ranks with (root, result file) as its arguments;
+    return the JSON its rank 0 wrote there."""
+    out = root / "result.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(Path(__file__).parent / worker), str(root), str(out)],
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())

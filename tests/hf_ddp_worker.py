@@ -4,21 +4,16 @@ Writes what the first process saw to argv[2] as JSON."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-import torch  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).parent))
+from helpers import weights_digest  # noqa: E402
 from test_hf import _losses, _trainer  # noqa: E402
 
 from tiered.integrations.hf import resume_checkpoint  # noqa: E402
-
-
-def digest(model) -> str:
-    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
 
 
 def main() -> None:
@@ -33,7 +28,7 @@ def main() -> None:
     again.train(resume_from_checkpoint=folder)
     if again.is_world_process_zero():
         out.write_text(json.dumps({"ref": _losses(ref), "resumed": _losses(again), "world": again.args.world_size,
-                                   "digest": digest(again.model), "ref_digest": digest(ref.model),
+                                   "digest": weights_digest(again.model), "ref_digest": weights_digest(ref.model),
                                    "steps": cb2.engine.steps(), "folder": folder}))
     for c in (cb, cb2, ref_cb):
         c.close()

@@ -4,16 +4,15 @@ through TieredCheckpointIO from rank 0 (Engine.save(local=True)) and every rank 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from helpers import weights_digest  # noqa: E402
 from test_lightning import Losses, Tiny, _data  # noqa: E402
 
 from tiered.integrations.lightning import TieredCheckpointIO  # noqa: E402
@@ -28,8 +27,7 @@ def fit(root: Path, tier: Path, max_steps: int, ckpt_path=None):
                                                     save_last=True), losses],
                          logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
-    digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
-    return trainer, losses.by_step, digest, io
+    return trainer, losses.by_step, weights_digest(model), io
 
 
 def main() -> None:

@@ -92,17 +92,9 @@ def test_resume_without_a_tiered_checkpoint_is_a_first_run(tmp_path, tier_config
 
 def test_ddp_saves_from_the_first_process_and_every_process_resumes(tmp_path):
     """Two CPU processes under torchrun (the Trainer's DDP, gloo)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    from helpers import run_two_ranks
 
-    out = tmp_path / "result.json"
-    worker = Path(__file__).parent / "hf_ddp_worker.py"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(worker), str(tmp_path), str(out)], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = run_two_ranks("hf_ddp_worker.py", tmp_path)
     assert got["world"] == 2 and got["steps"] == [4, 8, 12, 16] and got["folder"].endswith("checkpoint-8")
     ref = {int(k): v for k, v in got["ref"].items()}
     assert {int(k): v for k, v in got["resumed"].items() if int(k) > 8} == {s: ref[s] for s in range(9, 17)}

@@ -134,16 +134,9 @@ def test_tiered_metrics_reach_the_trainers_logger(tmp_path, tier_config):
 
 def test_ddp_saves_from_rank_zero_and_every_rank_resumes(tmp_path):
     """Two CPU ranks under torchrun (Lightning's DDP strategy, gloo)."""
-    import json
-    import subprocess
-    import sys
+    from helpers import run_two_ranks
 
-    out = tmp_path / "result.json"
-    worker = Path(__file__).parent / "lightning_ddp_worker.py"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(worker), str(tmp_path), str(out)], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = run_two_ranks("lightning_ddp_worker.py", tmp_path)
     assert got["world"] == 2 and got["steps"] == [4, 8, 12]
     ref = {int(k): v for k, v in got["ref"].items()}
     assert {int(k): v for k, v in got["resumed"].items()} == {s: ref[s] for s in range(9, 13)}
