@@ -13,6 +13,7 @@ from tiered.errors import TieredError
 from tiered.probe import cached_bandwidth
 from tiered.records import read_records, records_root
 from tiered.stats import format_cost, format_prometheus, format_summary, monthly_cost, summarize
+from tiered.tiers.local import replace_durably
 
 EXIT_OK = 0
 
@@ -30,10 +31,8 @@ def cmd_stats(args: argparse.Namespace, catalog: TierCatalog) -> int:
     records = _records(catalog)
     summary = summarize(records)
     if args.prometheus:
-        path = Path(args.prometheus)
-        tmp = path.with_name(f".{path.name}.tmp")  # whole files only: a scraper never reads half of one
-        tmp.write_text(format_prometheus(summary, records))
-        tmp.replace(path)
+        # whole files only: a scraper never reads half of one
+        replace_durably(Path(args.prometheus), format_prometheus(summary, records).encode())
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
     return EXIT_OK
 

@@ -34,6 +34,7 @@ import torch
 
 from tiered.engine import Engine
 from tiered.errors import TieredError
+from tiered.tiers.local import replace_durably
 
 log = logging.getLogger("tiered")
 
@@ -69,21 +70,6 @@ def single_process() -> bool:
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StepStore:
@@ -174,7 +160,8 @@ class StepStore:
             if self._pending.get(key) is not token:
                 return  # removed, or saved again, meanwhile
             del self._pending[key]
-            _write_atomically(Path(key), data)
+            Path(key).parent.mkdir(parents=True, exist_ok=True)
+            replace_durably(Path(key), data)
 
     def load(self, path: str | os.PathLike, device: Any = None,
              read: Callable[[str], dict] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -100,6 +100,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_durably(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, durably, or its old content: written beside it and fsync'd,
+    renamed over it, and the directory fsync'd (a small file outside any step: a trainer's
+    checkpoint pointer, a metrics file)."""
+    os.replace(_durable_tmp(path, data), path)
+    fsync_dir(path.parent)
+
+
 class AlignedBuffer:
     """Page-aligned host memory (what O_DIRECT needs), reused across writes."""
 
