@@ -39,6 +39,46 @@ def test_wsum64_detects_flips_and_swaps():
     assert data[0:4] == data[8:12] or wsum64(swapped) != base
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stride", [3 * 4096, (1 << 20) + 8192])
+def test_fused_padding_packing_and_checksum_match_the_cpu_definition(stride):
+    """The drain's Triton kernel. In place: each row's chunk is kept, its padding up to the 4 KiB
+    extent zeroed, the bytes past the extent left alone. Packed: each extent lands, padding
+    zeroed, at its offset of the staging buffer, the rows unchanged. Both give each row's wsum64
+    as the CPU computes it (wrapping mod 2**64 on the 1 MiB rows)."""
+    from tiered import gpu_checksum
+
+    assert gpu_checksum.available()
+    g = torch.Generator(device="cuda").manual_seed(stride)
+    sizes = [0, 1, 3, 4, 5, 4095, 4096, 4097, 8191, 2 * 4096 + 7, stride - 4096, stride - 1, stride]
+    extents = [-(-n // 4096) * 4096 for n in sizes]
+    rows = torch.randint(0, 256, (len(sizes), stride), dtype=torch.uint8, device="cuda", generator=g)
+    before = rows.cpu().numpy()
+    want = [wsum64(before[r, :n]) for r, n in enumerate(sizes)]
+    sizes_t = torch.tensor(sizes, device="cuda")
+
+    sums = torch.empty(len(sizes), dtype=torch.int64, device="cuda")
+    offsets = np.cumsum([0] + extents[:-1])
+    dst = torch.full((sum(extents) + 4096,), 7, dtype=torch.uint8, device="cuda")
+    gpu_checksum.pack_and_checksum(rows, sizes_t, sums, dst, torch.tensor(offsets // 4, device="cuda"), 2, len(sizes))
+    packed, after = dst.cpu().numpy(), rows.cpu().numpy()
+    assert (after == before).all(), "packing changed the rows"
+    assert (packed[:offsets[2]] == 7).all() and (packed[sum(extents):] == 7).all(), "wrote outside its rows' extents"
+    for r in range(2, len(sizes)):
+        o, n = offsets[r], sizes[r]
+        assert (packed[o:o + n] == before[r, :n]).all() and not packed[o + n:o + extents[r]].any(), f"row {r}"
+        assert to_u64(int(sums[r])) == want[r], f"packed row {r} of {n} bytes"
+
+    sums.fill_(0)
+    gpu_checksum.pad_and_checksum(rows, sizes_t, sums)
+    got = rows.cpu().numpy()
+    for r, (n, extent) in enumerate(zip(sizes, extents)):
+        assert (got[r, :n] == before[r, :n]).all(), f"row {r}: the chunk changed"
+        assert not got[r, n:extent].any(), f"row {r}: padding not zeroed"
+        assert (got[r, extent:] == before[r, extent:]).all(), f"row {r}: bytes past the extent changed"
+        assert to_u64(int(sums[r])) == want[r], f"row {r} of {n} bytes"
+
+
 def test_import_tiered_needs_no_cuda_libraries():
     code = ("import sys, tiered, tiered.engine, tiered.gpu; "
             "bad = [m for m in sys.modules if m.startswith(('kvikio', 'nvidia.nvcomp', 'cupy'))]; "

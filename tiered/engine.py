@@ -182,7 +182,9 @@ class Engine:
         once the state exists (an optimizer that creates its state at its first step: after it),
         keeps that wait off the first save. A no-op without CUDA."""
         if not isinstance(state, int):
-            state = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in tree.flatten(state)[1])
+            tensors = [leaf.tensor for leaf in tree.flatten(state)[1]]
+            self.workers.prepare(tensors)  # (the GPU side too: streams, the checksum kernel compiled)
+            state = sum(t.numel() * t.element_size() for t in tensors)
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:

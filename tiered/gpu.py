@@ -1,4 +1,4 @@
-"""The GPU half of save and restore: pack, batched compression into a reused slab, restore reads.
+"""The GPU half of save: pack, batched compression into a reused slab, and the writer's GPU steps.
 
 Save, per device, in waves that fit the pack buffer and the slab (all on a side stream that
 first waits for the training stream):
@@ -8,16 +8,14 @@ first waits for the training stream):
 After the last pack the training stream waits on an event (or, with `Engine.guard`, the next
 optimizer step does): from then on training may overwrite its tensors, because the compressed
 copy *is* the snapshot. `save()` returns without waiting for the GPU at all. The background
-writer later reads the compressed sizes, zeroes each row past its chunk, checksums the rows on
-the GPU, gathers runs of rows end to end, and either hands them to KvikIO (the state fits the
-slab) or drains them into pinned host memory, compacted (only compressed bytes cross PCIe) and
-written from there in large requests on several threads, so the slab is free again at the
-speed of the copy, not of the disk (a state larger than the slab).
+writer (tiered.gpu_write) later reads the compressed sizes; then, on its own stream, each row's
+padding is zeroed and its checksum computed on the GPU (tiered.gpu_checksum), and runs of rows
+go out end to end: from GPU staging buffers through KvikIO (the state fits the slab), or, for a
+state larger than the slab, packed into a staging buffer and copied into pinned host memory
+(only compressed bytes cross PCIe) to be written from there in large requests on several
+threads, so the slab is free again at the speed of PCIe, not of the disk.
 
-Restore reads each chunk's aligned extent with KvikIO straight into slab rows, verifies the
-checksums on the GPU, decodes one batch per codec, and unpacks into the destination tensors.
-
-Imported only when CUDA is in use.
+Restore (`GpuDevice.restore`) is in tiered.gpu_restore. Imported only when CUDA is in use.
 """
 
 from __future__ import annotations
@@ -30,21 +28,21 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from tiered import gpu_checksum
 from tiered.budgets import auto_gpu_buffer
 from tiered.checksum import to_u64, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
-from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
-from tiered.gpu_layout import PACK_ALIGN, Layout, bytes_of, file_runs, wave_bounds
+from tiered.format import ALIGNMENT, TensorRecord
+from tiered.gpu_layout import Layout
+from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import ChunkRef, TensorPlan
 from tiered.staging import HostPool, RowRing
-from tiered.tiers.local import drain_quietly, wait_futures
 from tiered.units import format_size, round_up
 
 log = logging.getLogger("tiered")
 
-_CHECKSUM_ROWS = 64
 _WRITE_STAGING = 64 << 20
 """Bytes per coalesced write (two such GPU buffers per device): 4 KvikIO tasks of 16 MiB; less
 where the gpu_buffer budget is small (`write_staging_bytes`)."""
@@ -85,6 +83,30 @@ class RowsSegment:
 
 
 @dataclass
+class DrainedRows:
+    """A wave whose drain `GpuDevice.issue_drain` has issued: once `done` has fired, the rows'
+    checksums are in `io[1]` and each run of rows lies in its host extent."""
+
+    sizes: list[int]
+    io: torch.Tensor
+    """Pinned int64 (3, rows): the sizes, the checksums once `done` has fired, the packed offsets."""
+    runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]]
+    """(first row, end row, the host extent, its release) per run."""
+    done: torch.cuda.Event
+
+    def wait(self) -> list[int]:
+        """Wait for the copies (the GIL is released meanwhile); the rows' wsum64 checksums."""
+        self.done.synchronize()
+        return [to_u64(x) for x in self.io[1].tolist()]
+
+    def release_hosts(self) -> None:
+        """After a failure: give the host pages back (once nothing copies into them any more)."""
+        self.done.synchronize()
+        for _, _, _, release in self.runs:
+            release()
+
+
+@dataclass
 class GpuDevice:
     """Per-GPU streams and staging memory, allocated on first use and reused across saves."""
 
@@ -112,6 +134,9 @@ class GpuDevice:
         dev = torch.device("cuda", self.index)
         self.stream = torch.cuda.Stream(dev)
         self.writer_stream = torch.cuda.Stream(dev)
+        # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
+        # training, rather than inside the first save's drain.
+        threading.Thread(target=gpu_checksum.warm_up, args=(self.index,), name="tiered-warm-up", daemon=True).start()
 
     @property
     def device(self) -> torch.device:
@@ -236,20 +261,48 @@ class GpuDevice:
                         format_size(overflow), format_size(host.pinned_bytes))
         host.want(overflow)
 
+    def _checksums(self, seg: RowsSegment, sizes: Sequence[int], dev: torch.Tensor) -> None:
+        """On the writer stream (current), after the wave's compression: zero each row past its
+        chunk up to its aligned extent, in place, and checksum it (wsum64) into `dev[1]` (`dev`:
+        the wave's int64 (3, rows) on this GPU, sizes in dev[0])."""
+        if gpu_checksum.available():
+            gpu_checksum.pad_and_checksum(seg.rows, dev[0], dev[1])
+            return
+        cols = torch.arange(seg.rows.shape[1], device=self.device)
+        parts = []
+        for r in range(0, len(sizes), CHECKSUM_ROWS):
+            rows = seg.rows[r:r + CHECKSUM_ROWS]
+            rows.masked_fill_(cols[None, :] >= dev[0, r:r + CHECKSUM_ROWS, None], 0)
+            parts.append(wsum64_rows_torch(rows, round_up(max(sizes[r:r + CHECKSUM_ROWS]), 4) // 4))
+        dev[1].copy_(torch.cat(parts))
+
+    def _wave_io(self, seg: RowsSegment, sizes: Sequence[int], offsets: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pinned, on this GPU): the wave's int64 (3, rows): sizes, checksums (filled on the GPU),
+        and each row's word offset in its packed run; sent without waiting (a plain copy from
+        pageable memory would synchronize the writer stream, and so the drain's pipeline)."""
+        io = torch.empty((3, len(sizes)), dtype=torch.int64, pin_memory=True)
+        io[0].numpy()[:] = sizes
+        io[2].numpy()[:] = offsets or 0
+        self.writer_stream.wait_event(seg.ready)
+        return io, io.to(self.device, non_blocking=True)
+
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
-        """Zero each GPU row past its chunk and return the rows' wsum64 checksums."""
+        """Zero each GPU row past its chunk and return the rows' wsum64 checksums (waits for them)."""
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
-            self.writer_stream.wait_event(seg.ready)
-            sizes_t = torch.tensor(sizes, dtype=torch.int64, device=self.device)
-            cols = torch.arange(seg.rows.shape[1], device=self.device)
-            sums = []
-            for r in range(0, len(sizes), _CHECKSUM_ROWS):
-                rows = seg.rows[r:r + _CHECKSUM_ROWS]
-                rows.masked_fill_(cols[None, :] >= sizes_t[r:r + _CHECKSUM_ROWS, None], 0)
-                words = round_up(max(sizes[r:r + _CHECKSUM_ROWS]), 4) // 4
-                sums.append(wsum64_rows_torch(rows, words))
-            out = torch.cat(sums).cpu().tolist()
-        return [to_u64(x) for x in out]
+            io, dev = self._wave_io(seg, sizes)
+            self._checksums(seg, sizes, dev)
+            io[1].copy_(dev[1], non_blocking=True)
+            self.writer_stream.synchronize()
+        return [to_u64(x) for x in io[1].tolist()]
+
+    def _staging_buffers(self, at_least: int = 0) -> list[torch.Tensor]:
+        """The two GPU staging buffers of `write_staging_bytes` each (at least `at_least` bytes:
+        a drained run holds at least one row), allocated on first use."""
+        size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
+        if self._staging is None or self._staging[0].numel() < at_least:
+            self._staging = None
+            self._staging = [torch.empty(max(size, at_least), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._staging
 
     def coalesce(self, seg: RowsSegment, extents: Sequence[int], writer: Any,
                  limit: int | None = None) -> Iterator[tuple[int, int, torch.Tensor, int]]:
@@ -259,11 +312,9 @@ class GpuDevice:
         slot it waits for the write that `hold(slot, writer, future)` registered on it (a write of
         an earlier, closed writer is complete). Rows larger than a buffer are yielded as they are
         (slot -1). `limit` caps the bytes yielded at once (a row itself may exceed it)."""
-        size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
+        size = self._staging_buffers()[0].numel()
         size = min(size, limit or size)
         with torch.cuda.device(self.index):
-            if self._staging is None:
-                self._staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
             i, n = 0, len(extents)
             while i < n:
                 if extents[i] > size:
@@ -291,29 +342,58 @@ class GpuDevice:
                 yield i, k, buf, slot
                 i = k
 
-    def drain(self, seg: RowsSegment, extents: Sequence[int], writer: Any) -> Iterator[tuple[int, int, torch.Tensor, Callable[[], None]]]:
-        """Copy the rows' extents, in order and end to end, straight into pinned host pages (one
-        asynchronous copy per row, one wait per run), yielding (first row, end row, the host
-        extent, its release) for runs of rows of at most one pinned block: only compressed bytes
-        cross PCIe, and each run is one large host write. Blocks while the host pool is full
-        (backpressure from the disk). Every copy is complete when yielded, so the slab rows may
-        be released once the iteration ends. (`writer` is unused: kept for the call's shape.)"""
-        host, limit = self.host, self.host.max_run_bytes
-        i, n = 0, len(extents)
-        while i < n:
+    def issue_drain(self, seg: RowsSegment, sizes: Sequence[int],
+                    acquire: Callable[[RowRing, int], int]) -> "DrainedRows":
+        """Issue, without waiting, all the GPU work of draining a wave: each run of rows (at most
+        a staging buffer, or one pinned block) is packed end to end on the GPU into a staging
+        buffer, padding zeroed and checksums computed in the same pass (tiered.gpu_checksum), and
+        copied from there into pinned host pages as one copy: only compressed bytes cross PCIe,
+        and each run is one large host write. `acquire(ring, pages)` hands out pages of the host
+        pool's ring (it may wait for writes to free some). Everything runs in order on the writer
+        stream, so a run's packing waits for the previous copy out of the staging buffer on the
+        GPU, not on the host. The writer issues the next wave before it waits for this one
+        (tiered.gpu_write), so the copy engine does not idle between waves."""
+        host = self.host
+        stride = seg.rows.shape[1]
+        extents = [round_up(n, ALIGNMENT) for n in sizes]
+        with torch.cuda.device(self.index):
+            staging = self._staging_buffers(stride)[0]
+        limit = min(staging.numel(), host.max_run_bytes)  # (a run holds one row at least)
+        runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
+        bounds, offsets, i = [], [], 0
+        while i < len(extents):
             k, total = i, 0
-            while k < n and (k == i or total + extents[k] <= limit):
+            while k < len(extents) and (k == i or total + extents[k] <= limit):
+                offsets.append(total // 4)
                 total += extents[k]
                 k += 1
-            page = host.ring.acquire(host.pages(total))
-            dst = host.view(page, total)
-            sizes = extents[i:k]
-            srcs = [row.narrow(0, 0, e) for row, e in zip(seg.rows[i:k].unbind(0), sizes)]
-            with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
-                torch._foreach_copy_(list(dst.split(sizes)), srcs, non_blocking=True)  # one call, one copy per row
-                self.writer_stream.synchronize()
-            yield i, k, dst, lambda p=page: host.ring.release(p)
+            bounds.append((i, k, total))
             i = k
+        fused = gpu_checksum.available()
+        with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
+            try:
+                io, dev = self._wave_io(seg, sizes, offsets)
+                if not fused:
+                    self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
+                for i, k, total in bounds:
+                    buf = staging[:total]
+                    if fused:
+                        gpu_checksum.pack_and_checksum(seg.rows, dev[0], dev[1], staging, dev[2], i, k)
+                    else:
+                        torch._foreach_copy_(list(buf.split(extents[i:k])),
+                                             [row.narrow(0, 0, e) for row, e in zip(seg.rows[i:k].unbind(0), extents[i:k])])
+                    page = acquire(host.ring, host.pages(total))
+                    dst = host.view(page, total)
+                    runs.append((i, k, dst, lambda p=page: host.ring.release(p)))
+                    dst.copy_(buf, non_blocking=True)
+                io[1].copy_(dev[1], non_blocking=True)
+            except BaseException:
+                self.writer_stream.synchronize()  # nothing issued here may still use the pages or rows
+                for _, _, _, release in runs:
+                    release()
+                raise
+            done = _recorded(self.writer_stream)
+        return DrainedRows(list(sizes), io, runs, done)
 
     def hold(self, slot: int, writer: Any, future: Any) -> None:
         """The staging slot is in use until `future` (a write from it by `writer`) is done."""
@@ -398,134 +478,11 @@ class GpuDevice:
     # --- restore -----------------------------------------------------------------------
     def restore(self, items: Sequence[tuple[TensorRecord, torch.Tensor]], reader: Any, chunk_size: int,
                 repair: Callable[[TensorRecord, int, str], Any] | None = None) -> None:
-        """Decode `items` (record, destination tensor) from `reader` into the destinations.
-
-        `repair(rec, j, why)`, when given, supplies the raw bytes (host array) of a chunk whose
-        checksum fails here; else that raises."""
+        """Decode `items` (record, destination tensor) from `reader` into the destinations
+        (tiered.gpu_restore). `repair(rec, j, why)`, when given, supplies the raw bytes (host
+        array) of a chunk whose checksum fails here; else that raises."""
         with torch.cuda.device(self.index):
-            self._restore(items, reader, chunk_size, repair)
-
-    def _restore(self, items, reader, chunk_size, repair) -> None:
-        work: list[tuple[TensorRecord, torch.Tensor, torch.Tensor]] = []
-        for rec, dst in items:
-            direct = dst.is_cuda and dst.device.index == self.index and dst.is_contiguous()
-            work.append((rec, dst, dst if direct else torch.empty(rec.shape, dtype=rec.torch_dtype, device=self.device)))
-        refs = [(rec, tmp, j) for rec, _, tmp in work for j in range(len(rec.chunks))]
-        if refs:
-            stride = round_up(max(rec.chunks[j].extent for rec, _, j in refs), ALIGNMENT)
-            # The slab and the read buffers (up to two more of a wave's size) share the budget.
-            budget = self.budget(len(refs) * stride, self.budgets.pack_buffer, 3 * (self.budgets.pack_buffer // chunk_size + 1) * stride,
-                                 "restores")
-            waves = wave_bounds([rec.chunks[j].raw_size for rec, _, j in refs], self.budgets.pack_buffer,
-                                 max(1, budget // stride // (1 if self.budgets.gpu_buffer is not None else 3)))
-            rows_cap = max(k - i for i, k in waves)
-            slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=self.device)
-            pack = torch.empty(min(self.budgets.pack_buffer, sum(
-                round_up(rec.chunks[j].raw_size, PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
-                dtype=torch.uint8, device=self.device)
-            runs = [file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
-            need = max(sum(n for _, n, _ in r) for r in runs)
-            # Two read buffers. The next wave's reads are queued before this wave's are waited for,
-            # so KvikIO's threads never idle at a wave boundary, and they run while this wave is
-            # verified and decoded. The next wave's buffer was last used by the previous wave,
-            # which is finished (decoded and synchronized).
-            staging = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(waves)))]
-            current = self._read_runs(reader, runs[0], staging[0])
-            for w, (i, k) in enumerate(waves):
-                pending = self._read_runs(reader, runs[w + 1], staging[(w + 1) % 2]) if w + 1 < len(waves) else []
-                try:
-                    wait_futures(current)
-                    self._restore_wave(refs[i:k], runs[w], staging[w % 2], reader, slab, stride, pack, chunk_size,
-                                       repair)
-                except BaseException:
-                    drain_quietly(current + pending)  # nothing may still write into buffers about to be freed
-                    raise
-                current = pending
-        for rec, dst, tmp in work:
-            if tmp is not dst:
-                dst.copy_(tmp)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-    @staticmethod
-    def _read_runs(reader: Any, runs: list[tuple[int, int, list[int]]], buf: torch.Tensor) -> list[Any]:
-        """Start one read per run of file-adjacent chunks, end to end into `buf`."""
-        futures, pos = [], 0
-        for offset, nbytes, _ in runs:
-            futures.append(reader.read_device_async(offset, nbytes, buf[pos:pos + nbytes]))
-            pos += nbytes
-        return futures
-
-    def _restore_wave(self, refs, runs, staged, reader, slab, stride, pack, chunk_size, repair) -> None:
-        n = len(refs)
-        rows = slab[:n * stride].view(n, stride)
-        dsts, srcs, pos = [], [], 0
-        for _, _, members in runs:
-            for r in members:
-                extent = refs[r][0].chunks[refs[r][2]].extent
-                dsts.append(rows[r, :extent])
-                srcs.append(staged[pos:pos + extent])
-                pos += extent
-        with torch.cuda.stream(self.stream):
-            rows.zero_()  # checksums read whole words of the row: zero past each extent
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-            sums = []
-            for r in range(0, n, _CHECKSUM_ROWS):
-                part = refs[r:r + _CHECKSUM_ROWS]
-                words = round_up(max(rec.chunks[j].extent for rec, _, j in part), 4) // 4
-                sums.append(wsum64_rows_torch(rows[r:r + _CHECKSUM_ROWS], words))
-            got = [to_u64(x) for x in torch.cat(sums).cpu().tolist()]
-        bad: dict[int, str] = {}
-        for r, (rec, _, j) in enumerate(refs):
-            c = rec.chunks[j]
-            if got[r] != c.checksum:
-                err = chunk_corruption(reader.path, rec, j, f"stored {c.checksum:016x}, computed {got[r]:016x}")
-                if repair is None:
-                    raise err
-                bad[r] = str(err)
-        good = [r for r in range(n) if r not in bad]
-        # One decode per codec spec, into chunk slots of the pack buffer; then unpack per tensor run.
-        offsets, pos = [], 0
-        for r, (rec, _, j) in enumerate(refs):
-            if r and not (refs[r - 1][0] is rec and refs[r - 1][2] + 1 == j):
-                pos = round_up(pos, PACK_ALIGN)
-            offsets.append(pos)
-            pos += rec.chunks[j].raw_size
-        with torch.cuda.stream(self.stream):
-            i = 0
-            while i < len(good):
-                spec = refs[good[i]][0].codec
-                k = i
-                while k < len(good) and refs[good[k]][0].codec == spec:
-                    k += 1
-                batch = good[i:k]
-                codec = get_codec(spec, self.zstd)
-                try:
-                    codec.decode_batch(self.stream, chunk_size, slab, [r * stride for r in batch],
-                                       [refs[r][0].chunks[refs[r][2]].size for r in batch], pack,
-                                       [offsets[r] for r in batch], [refs[r][0].chunks[refs[r][2]].raw_size for r in batch])
-                except (ValueError, RuntimeError) as exc:
-                    rec, _, j = refs[batch[0]]
-                    raise chunk_corruption(reader.path, rec, j, f"{spec.name} decode failed: {exc}") from None
-                i = k
-            x = 0
-            while x < len(good):
-                r = good[x]
-                rec, tmp, j0 = refs[r]
-                y = x
-                while y + 1 < len(good) and good[y + 1] == good[y] + 1 and refs[good[y + 1]][0] is rec \
-                        and refs[good[y + 1]][2] == refs[good[y]][2] + 1:
-                    y += 1
-                lo = j0 * chunk_size
-                hi = lo + sum(rec.chunks[refs[good[z]][2]].raw_size for z in range(x, y + 1))
-                get_codec(rec.codec, self.zstd).unpack(bytes_of(tmp)[lo:hi], pack[offsets[r]:offsets[r] + hi - lo],
-                                                       chunk_size)
-                x = y + 1
-            for r, why in bad.items():
-                rec, tmp, j = refs[r]
-                raw = torch.from_numpy(repair(rec, j, why))
-                bytes_of(tmp)[j * chunk_size:j * chunk_size + raw.numel()].copy_(raw)
-        self.stream.synchronize()
+            restore_on(self, items, reader, chunk_size, repair)
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

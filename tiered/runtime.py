@@ -63,6 +63,12 @@ class Workers:
                                                       self.config.zstd, self.host)
         return dev
 
+    def prepare(self, tensors: Any) -> None:
+        """Set up now, not in the first save, the GPU devices that `tensors` live on."""
+        if self.gpu_ready:
+            for index in sorted({t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}):
+                self.device(index)
+
     def close(self) -> None:
         """Stop the codec pool and let the GPU and host staging memory go (nothing may be staged)."""
         self.pool.shutdown()

@@ -48,6 +48,7 @@ from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
                            dtype_name, index_file_name)
+from tiered.gpu_write import RowsWriter
 from tiered.overlap import Guard, guarded_storages, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
@@ -484,16 +485,18 @@ class SavePipeline:
             end += round_up(size, ALIGNMENT)
             return offset
 
+        rows = RowsWriter(writer, place, job.handle.timings)
         try:
             while True:
-                seg = job.segments.get()
-                if seg is _END:
+                seg = rows.take(job.segments)
+                if seg is _END or isinstance(seg, _Abort):
                     job.staging_over = True
+                    if isinstance(seg, _Abort):
+                        raise TieredError(f"staging failed: {seg.exc!r}")
+                    rows.flush()
                     break
-                if isinstance(seg, _Abort):
-                    job.staging_over = True
-                    raise TieredError(f"staging failed: {seg.exc!r}")
                 if isinstance(seg, cpu.RawSegment):
+                    rows.flush()
                     try:
                         encoded = cpu.encode_segment(seg, self.workers.pool, self.config.zstd)
                     finally:
@@ -501,12 +504,10 @@ class SavePipeline:
                     for ref, (padded, size, crc) in zip(seg.chunks, encoded):
                         writer.write_host(place(ref, size, crc), padded)
                 else:
-                    try:
-                        _write_rows(seg, writer, place)
-                    finally:
-                        seg.release()
+                    rows.add(seg)
             data_bytes = writer.close()
         except BaseException:
+            rows.abort()
             writer.abort()
             raise
         plans = {p.index: p for p in job.plan.all}
@@ -536,42 +537,6 @@ class RankFiles:
     index: RankIndex
     raw_bytes: int
     stored_bytes: int
-
-
-def _write_rows(seg: Any, writer: Any, place: Any) -> None:
-    """Checksum a wave of compressed rows on the GPU and write each row's aligned extent.
-
-    Chunks are placed end to end, so a run of rows is one extent of the file: gathered on the GPU,
-    it goes out as one large write instead of one per chunk: from the GPU through KvikIO, or,
-    where the save needs its slab rows back (`seg.drain`), from pinned host memory on the
-    writer's threads once copied there."""
-    sizes = seg.sizes()
-    sums = seg.device.finish_rows(seg, sizes)
-    extents = [round_up(n, ALIGNMENT) for n in sizes]
-
-    def place_run(i: int, k: int) -> int:
-        offset = place(seg.chunks[i], sizes[i], sums[i])
-        for r in range(i + 1, k):
-            place(seg.chunks[r], sizes[r], sums[r])
-        return offset
-
-    if seg.drain:
-        write = getattr(writer, "write_host_async", None)
-        for i, k, host, release in seg.device.drain(seg, extents, writer):
-            offset, view = place_run(i, k), memoryview(host.numpy())
-            if write is not None:
-                write(offset, view, release)
-            else:
-                try:
-                    writer.write_host(offset, view)
-                finally:
-                    release()
-        return
-    for i, k, buf, slot in seg.device.coalesce(seg, extents, writer):
-        seg.device.hold(slot, writer, writer.write_device(place_run(i, k), buf))
-        if slot < 0:
-            writer.wait()  # written straight from the row, which goes back to the slab after this
-
 
 
 def _drain(job: _Job) -> None:
