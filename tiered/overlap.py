@@ -26,15 +26,17 @@ CLONE_LIMIT = 1 << 30
 """Unguarded GPU bytes a save clones at most to overlap; beyond it the save is strict."""
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """The device and address of the memory a tensor (or a DTensor's local shard) lives in."""
-    local = getattr(t, "to_local", None)
-    if local is not None:
-        t = local()
-    return str(t.device), t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """The device (-1: the CPU) and first byte of a tensor's (or a DTensor's local shard's) memory.
+
+    Cheap, since every save asks it of every tensor: a view that starts elsewhere in a guarded
+    tensor's memory gets another key and is cloned, which is safe (only ever more copying)."""
+    if type(t) is not torch.Tensor and hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.get_device(), t.data_ptr()
 
 
-def guarded_storages(optimizers: Iterable[Any]) -> set[tuple[str, int]]:
+def guarded_storages(optimizers: Iterable[Any]) -> set[tuple[int, int]]:
     """The storages that only `optimizer.step()` changes: each optimizer's parameters and state."""
     keys: set[tuple[str, int]] = set()
     for opt in optimizers:
@@ -45,7 +47,7 @@ def guarded_storages(optimizers: Iterable[Any]) -> set[tuple[str, int]]:
     return keys
 
 
-def overlap_plan(plan: SavePlan, guarded: set[tuple[str, int]], free_gpu: Any) -> tuple[SavePlan | None, str]:
+def overlap_plan(plan: SavePlan, guarded: set[tuple[int, int]], free_gpu: Any) -> tuple[SavePlan | None, str]:
     """(the plan with its unguarded tensors replaced by clones, "") or (None, why not) when
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
     tensors: list[torch.Tensor] = list(plan.tensors)
