@@ -290,4 +290,4 @@ def make_gpu_recoder(config: Any) -> GpuRecoder | None:
     budgets = Budgets(gpu_buffer=min(b.gpu_buffer or 512 << 20, 512 << 20), pack_buffer=min(b.pack_buffer, 128 << 20),
                       host_buffer=64 << 20)
     return GpuRecoder(GpuDevice(torch.cuda.current_device(), config.chunk_size, budgets, config.zstd,
-                                HostPool(64 << 20, page=4096)))
+                                HostPool(64 << 20, page=4096), priority=0))

@@ -115,6 +115,12 @@ class GpuDevice:
     budgets: Budgets
     zstd: ZstdSettings
     host: HostPool
+    priority: int = -5
+    """CUDA stream priority (lower is higher; clamped to the device's range). A save's streams run
+    at the highest: with `Engine.guard` its compression and packing run while training computes,
+    and the optimizer step waits for exactly this work, so it is scheduled before training's
+    kernels rather than in the gaps between them. Migration and codec sampling use 0, as training
+    does."""
     stream: torch.cuda.Stream = field(init=False)
     writer_stream: torch.cuda.Stream = field(init=False)
     _slab: torch.Tensor | None = field(default=None, init=False)
@@ -132,8 +138,8 @@ class GpuDevice:
 
     def __post_init__(self) -> None:
         dev = torch.device("cuda", self.index)
-        self.stream = torch.cuda.Stream(dev)
-        self.writer_stream = torch.cuda.Stream(dev)
+        self.stream = torch.cuda.Stream(dev, priority=self.priority)
+        self.writer_stream = torch.cuda.Stream(dev, priority=self.priority)
         # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
         # training, rather than inside the first save's drain.
         threading.Thread(target=gpu_checksum.warm_up, args=(self.index,), name="tiered-warm-up", daemon=True).start()

@@ -85,8 +85,6 @@ class RowsWriter:
         """Finish every issued wave: their chunks are placed and their writes started."""
         while self._finish_oldest():
             pass
-        if self._first is not None:
-            self.timings["write.gpu_ms"] = round(1e3 * (time.perf_counter() - self._first), 1)
 
     def abort(self) -> None:
         """After a failure: wait until no issued copy still reads slab rows or fills host pages,
@@ -122,8 +120,9 @@ class RowsWriter:
         except BaseException:
             self._issued.appendleft((seg, drained))
             raise
-        self._add_time("write.copy_wait_ms", t0)
+        now = self._add_time("write.copy_wait_ms", t0)
         seg.release()  # every copy out of the slab is done
+        self.timings["write.drained_ms"] = round(1e3 * (now - self._first), 1)  # (first wave to the last copied)
         write = getattr(self.writer, "write_host_async", None)
         for n, (i, k, host, release) in enumerate(drained.runs):
             offset = _place_run(seg, drained.sizes, sums, i, k, self.place)
