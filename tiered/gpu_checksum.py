@@ -6,10 +6,10 @@ wsum64 (tiered.checksum) is computed. One Triton kernel does both, one program p
 each row's extent once and allocating nothing; it either zeroes the padding in place
 (`pad_and_checksum`) or writes each extent, padding zeroed, end to end into a staging buffer
 (`pack_and_checksum`), so that a run of rows crosses PCIe as one large copy instead of one copy
-per row. Measured on an H100 with the GPU nearly full (scripts/drain_probe.py): with torch
-elementwise operations (the fallback, `tiered.checksum.wsum64_rows_torch`) a wave of 256 rows took
-~5 ms of launches and int64 temporaries, and a copy per row ~20 us of host work each; both held
-up the drain of a state larger than the slab more than PCIe did.
+per row. Measured on an H100 with the GPU nearly full (scripts/drain_probe.py, docs/benchmarks.md
+runs 60-65): with torch elementwise operations (the fallback, `tiered.checksum.wsum64_rows_torch`)
+a wave of 256 rows took ~5 ms of launches and int64 temporaries, and a copy per row ~6 us of host
+work each; both held up the drain of a state larger than the slab more than PCIe did.
 
 Imported only when CUDA is in use. Where Triton is missing or the kernel does not compile
 (`warm_up` finds out, in the background, when a GPU device is set up), `available()` is False and
