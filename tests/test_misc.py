@@ -26,6 +26,23 @@ def test_wsum64_cpu_matches_torch_rows_and_padding(size):
     assert wsum64(np.concatenate([data, np.zeros(4096, np.uint8)])) == wsum64(data), "zero padding adds nothing"
 
 
+def _wsum64_by_definition(data) -> int:
+    """sum_i (2i + 1) * w_i mod 2**64 over little-endian uint32 words, zero-padded: term by term."""
+    buf = bytes(data) + b"\0" * (-len(data) % 4)
+    return sum((2 * i + 1) * w for i, w in enumerate(np.frombuffer(buf, dtype="<u4").tolist())) % (1 << 64)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 5, 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 3,
+                                  (3 << 20) + 6])
+def test_wsum64_blocked_equals_the_definition(size):
+    """Slices of 1 MiB with their offsets added back, a partial last word; all-ones words (the
+    largest terms) as well as random ones."""
+    rng = np.random.default_rng(size)
+    for data in (rng.integers(0, 256, size, dtype=np.uint8), np.full(size, 255, dtype=np.uint8)):
+        assert wsum64(data) == _wsum64_by_definition(data.tobytes())
+        assert wsum64(data.tobytes()) == wsum64(memoryview(bytearray(data.tobytes()))) == wsum64(data)
+
+
 def test_wsum64_detects_flips_and_swaps():
     data = bytearray(np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes())
     base = wsum64(data)

@@ -20,6 +20,8 @@ import numpy as np
 
 NAME = "wsum64"
 _MASK64 = (1 << 64) - 1
+_SLICE = 1 << 18
+"""Words summed at a time (1 MiB): their uint64 products stay in cache."""
 _weights_cache: dict[int, np.ndarray] = {}
 
 
@@ -27,21 +29,27 @@ def _weights(n: int) -> np.ndarray:
     w = _weights_cache.get(n)
     if w is None:
         w = np.arange(1, 2 * n, 2, dtype=np.uint64)
-        if n <= (64 << 20) // 4:
+        if n <= _SLICE:
             _weights_cache[n] = w
     return w
 
 
 def wsum64(data: bytes | bytearray | memoryview | np.ndarray) -> int:
-    """Checksum of a buffer on the CPU."""
+    """Checksum of a buffer on the CPU, a slice of 1 MiB at a time: a slice starting at word k
+    adds sum_i (2i + 1) * w_i + 2k * sum_i w_i. A chunk (at most 1 MiB) is one slice, at about
+    3.5 GB/s on this repository's CPU machine; in one piece, the uint64 temporaries of a 64 MiB
+    buffer (an index of a large state) fell out of cache and ran at 0.13 GB/s."""
     buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-    tail = len(buf) % 4
-    if tail:
-        buf = np.concatenate([buf, np.zeros(4 - tail, dtype=np.uint8)])
-    words = buf.view("<u4").astype(np.uint64)
-    if words.size == 0:
-        return 0
-    return int(np.dot(words, _weights(words.size))) & _MASK64
+    n = len(buf) // 4
+    words = buf[:n * 4].view("<u4")
+    total = 0
+    with np.errstate(over="ignore"):
+        for k in range(0, n, _SLICE):
+            w = words[k:k + _SLICE].astype(np.uint64)
+            total += int(np.dot(w, _weights(len(w)))) + (2 * k * int(w.sum(dtype=np.uint64)) if k else 0)
+    if len(buf) > n * 4:  # the last word, zero-padded
+        total += (2 * n + 1) * int.from_bytes(bytes(buf[n * 4:]), "little")
+    return total & _MASK64
 
 
 def wsum64_rows_torch(rows, valid_words: int | None = None):
