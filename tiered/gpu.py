@@ -282,20 +282,20 @@ class GpuDevice:
             parts.append(wsum64_rows_torch(rows, round_up(max(sizes[r:r + CHECKSUM_ROWS]), 4) // 4))
         dev[1].copy_(torch.cat(parts))
 
-    def _wave_io(self, seg: RowsSegment, sizes: Sequence[int], offsets: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def _wave_io(self, sizes: Sequence[int], offsets: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(pinned, on this GPU): the wave's int64 (3, rows): sizes, checksums (filled on the GPU),
         and each row's word offset in its packed run; sent without waiting (a plain copy from
         pageable memory would synchronize the writer stream, and so the drain's pipeline)."""
         io = torch.empty((3, len(sizes)), dtype=torch.int64, pin_memory=True)
         io[0].numpy()[:] = sizes
         io[2].numpy()[:] = offsets or 0
-        self.writer_stream.wait_event(seg.ready)
         return io, io.to(self.device, non_blocking=True)
 
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
         """Zero each GPU row past its chunk and return the rows' wsum64 checksums (waits for them)."""
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
-            io, dev = self._wave_io(seg, sizes)
+            self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
+            io, dev = self._wave_io(sizes)
             self._checksums(seg, sizes, dev)
             io[1].copy_(dev[1], non_blocking=True)
             self.writer_stream.synchronize()
@@ -306,7 +306,7 @@ class GpuDevice:
         a drained run holds at least one row), allocated on first use."""
         size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
         if self._staging is None or self._staging[0].numel() < at_least:
-            self._staging = None
+            self._staging = None  # (the smaller ones go before the larger are allocated)
             self._staging = [torch.empty(max(size, at_least), dtype=torch.uint8, device=self.device) for _ in range(2)]
         return self._staging
 
@@ -378,7 +378,8 @@ class GpuDevice:
         fused = gpu_checksum.available()
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
             try:
-                io, dev = self._wave_io(seg, sizes, offsets)
+                self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
+                io, dev = self._wave_io(sizes, offsets)
                 if not fused:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
                 for i, k, total in bounds:
