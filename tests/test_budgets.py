@@ -217,9 +217,15 @@ def test_auto_gpu_budget_is_logged_and_bounded_by_free_memory(tmp_path, caplog):
 
 
 @pytest.mark.gpu
-def test_state_larger_than_the_slab_drains_through_pinned_memory(tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch-fallback"])
+def test_state_larger_than_the_slab_drains_through_pinned_memory(tmp_path, monkeypatch, fused):
     """A 512 MiB state through a 64 MiB slab: waves drain through a 96 MiB pinned pool, written
-    from there in large pieces; bit-exact, and the pool is pinned (not pageable)."""
+    from there in large pieces; bit-exact, and the pool is pinned (not pageable). Also without
+    the Triton kernel (where Triton is missing): torch checksums and gathers."""
+    from tiered import gpu_checksum
+
+    if not fused:
+        monkeypatch.setattr(gpu_checksum, "available", lambda: False)
     g = torch.Generator(device="cuda").manual_seed(3)
     state = {f"t{i}": torch.randn(16 << 20, device="cuda", generator=g) for i in range(8)}
     cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}],

@@ -337,13 +337,8 @@ class GpuDevice:
                 if busy is not None and busy[0] is writer:
                     writer.wait_for(busy[1])
                 buf = self._staging[slot][:total]
-                dsts, srcs, pos = [], [], 0
-                for r in range(i, k):
-                    dsts.append(buf[pos:pos + extents[r]])
-                    srcs.append(seg.rows[r, :extents[r]])
-                    pos += extents[r]
                 with torch.cuda.stream(self.writer_stream):
-                    torch._foreach_copy_(dsts, srcs)
+                    _gather_rows(seg, i, k, extents, buf)
                 self.writer_stream.synchronize()
                 yield i, k, buf, slot
                 i = k
@@ -387,8 +382,7 @@ class GpuDevice:
                     if fused:
                         gpu_checksum.pack_and_checksum(seg.rows, dev[0], dev[1], staging, dev[2], i, k)
                     else:
-                        torch._foreach_copy_(list(buf.split(extents[i:k])),
-                                             [row.narrow(0, 0, e) for row, e in zip(seg.rows[i:k].unbind(0), extents[i:k])])
+                        _gather_rows(seg, i, k, extents, buf)
                     page = acquire(host.ring, host.pages(total))
                     dst = host.view(page, total)
                     runs.append((i, k, dst, lambda p=page: host.ring.release(p)))
@@ -490,6 +484,11 @@ class GpuDevice:
         array) of a chunk whose checksum fails here; else that raises."""
         with torch.cuda.device(self.index):
             restore_on(self, items, reader, chunk_size, repair)
+
+
+def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:
+    """On the current stream: rows i..k-1's aligned extents end to end into `buf` (one fused copy)."""
+    torch._foreach_copy_(list(buf.split(extents[i:k])), [seg.rows[r, :extents[r]] for r in range(i, k)])
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
