@@ -221,6 +221,15 @@ def blog_row(state_tensors: list[torch.Tensor], root: Path, raw: int) -> dict:
 
 
 # --- S3 ------------------------------------------------------------------------------------
+def _evict(path: Path) -> None:
+    """Drop a file's pages from the page cache (clean pages: no privileges needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def s3_vs_boto3(state: dict, root: Path) -> dict | None:
     """Upload throughput of tiered's S3 tier against a plain boto3 multipart upload of the same
     bytes to the same server (a local SeaweedFS): the state saved with zstd on a local tier, then
@@ -264,10 +273,12 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
         # Step 1 warms the S3 client up (botocore loads its service model and opens connections on
         # the first calls), as the bench's boto3 client was by create_bucket; step 2 is timed.
         migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None)
+        data = root / "local" / "step_000000000002" / "rank_00000.data"
+        _evict(data)  # both uploads read the file from the disk, as a migration of a fresh step does
         t0 = time.perf_counter()
         migrate_step(2, engine.get_tier("local"), engine.get_tier("s3"), codec=None)
         t_tiered = time.perf_counter() - t0
-    data = root / "local" / "step_000000000002" / "rank_00000.data"
+    _evict(data)
     t0 = time.perf_counter()
     client.upload_file(str(data), "bench", "plain/rank_00000.data",
                        Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
@@ -287,9 +298,16 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str) -> dict:
     client.download_file("bench", "plain/rank_00000.data", str(root / "plain.data"),
                          Config=TransferConfig(multipart_chunksize=READ_PIECE, max_concurrency=8))
     t_boto_down = time.perf_counter() - t0
+    fd = os.open(root / "plain.data", os.O_RDONLY)  # tiered's copy is durable when it returns
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t_boto_down_fsync = time.perf_counter() - t0
     n = data.stat().st_size
     return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
             "tiered_down_mbps": round(n / t_tiered_down / 1e6, 1), "boto3_down_mbps": round(n / t_boto_down / 1e6, 1),
+            "boto3_down_fsync_mbps": round(n / t_boto_down_fsync / 1e6, 1),
             "stored_bytes": manifest.stored_bytes,
             "note": "tiered: the whole step (data, index, manifest, checksums verified), the second one migrated; "
                     "boto3: the data file"}

@@ -85,12 +85,12 @@ def test_migration_killed_mid_copy_restarts_to_identical_files(tmp_path, s3_serv
         from tiered.tiers import s3 as s3mod
         engine = tiered.Engine.from_config({cfg!r})
         real, n = s3mod.S3DataWriter._submit, [0]
-        def submit(self, part):
+        def submit(self, part, **kwargs):
             n[0] += 1
             if n[0] == 3:
                 self.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
-            real(self, part)
+            real(self, part, **kwargs)
         s3mod.S3DataWriter._submit = submit
         engine.get_tier("s3").part_size = 5 * 1024 * 1024
         migrate_step(3, engine.get_tier("nvme"), engine.get_tier("s3"), codec="zstd")
@@ -355,8 +355,6 @@ def test_many_small_tensors_migrate_in_windows_across_tensors(tmp_path, codec, m
     """Windows of one read cross tensor boundaries: a state of hundreds of tensors (empty ones,
     one-chunk ones, a multi-chunk one, several dtypes) reads its source in a few large reads and
     arrives bit-exact."""
-    from tiered import copy_rank
-
     g = torch.Generator().manual_seed(5)
     state = {f"small{i}": torch.randn(300 + i, generator=g) for i in range(400)}
     state.update(empty=torch.zeros(0), half=torch.randn(5000, generator=g).to(torch.bfloat16),
@@ -374,8 +372,29 @@ def test_many_small_tensors_migrate_in_windows_across_tensors(tmp_path, codec, m
             return reader
 
         monkeypatch.setattr(src, "open_data_reader", counting)
-        monkeypatch.setattr(copy_rank, "PREFETCH_BYTES", 0)  # ranged reads, not the whole file at once
         migrate_step(1, src, dst, codec="zstd")
         got = engine.load(1, tier="shared")
     assert len(reads) < 40, f"{len(reads)} reads for {len(state)} tensors"
     assert_same(state, got)
+
+
+def test_a_copy_writes_zero_padding_whatever_the_source_padding_holds(tmp_path):
+    """Kept chunks go down a tier as the window read, without a copy per chunk; the padding after
+    each chunk is not under its checksum, so it is zeroed on the way, not copied."""
+    state = {f"t{i}": torch.randn(3000 + 7 * i) for i in range(50)}
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        engine.save(1, state).wait()
+        _, index = engine.read_index(1, tier="nvme")
+        data = tmp_path / "nvme" / "step_000000000001" / index.data_file
+        raw = bytearray(data.read_bytes())
+        padded = [c for t in index.tensors for c in t.chunks if c.extent > c.size]
+        assert len(padded) >= 40
+        for c in padded:  # garbage in every chunk's padding
+            raw[c.offset + c.size:c.offset + c.extent] = b"\xa5" * (c.extent - c.size)
+        data.write_bytes(bytes(raw))
+        migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec=None)
+        copied = (tmp_path / "shared" / "step_000000000001" / index.data_file).read_bytes()
+        for c in padded:
+            assert copied[c.offset:c.offset + c.size] == raw[c.offset:c.offset + c.size]
+            assert not any(copied[c.offset + c.size:c.offset + c.extent])
+        assert_same(state, engine.load(1, tier="shared"))

@@ -22,16 +22,9 @@ NAME = "wsum64"
 _MASK64 = (1 << 64) - 1
 _SLICE = 1 << 18
 """Words summed at a time (1 MiB): their uint64 products stay in cache."""
-_weights_cache: dict[int, np.ndarray] = {}
-
-
-def _weights(n: int) -> np.ndarray:
-    w = _weights_cache.get(n)
-    if w is None:
-        w = np.arange(1, 2 * n, 2, dtype=np.uint64)
-        if n <= _SLICE:
-            _weights_cache[n] = w
-    return w
+_WEIGHTS = np.arange(1, 2 * _SLICE, 2, dtype=np.uint64)
+"""The weights 1, 3, 5, ... of one slice; a shorter slice uses their prefix (one array of 2 MiB,
+not an array per distinct chunk size: compressed chunks come in every size)."""
 
 
 def wsum64(data: bytes | bytearray | memoryview | np.ndarray) -> int:
@@ -46,7 +39,7 @@ def wsum64(data: bytes | bytearray | memoryview | np.ndarray) -> int:
     with np.errstate(over="ignore"):
         for k in range(0, n, _SLICE):
             w = words[k:k + _SLICE].astype(np.uint64)
-            total += int(np.dot(w, _weights(len(w)))) + (2 * k * int(w.sum(dtype=np.uint64)) if k else 0)
+            total += int(np.dot(w, _WEIGHTS[:len(w)])) + (2 * k * int(w.sum(dtype=np.uint64)) if k else 0)
     if len(buf) > n * 4:  # the last word, zero-padded
         total += (2 * n + 1) * int.from_bytes(bytes(buf[n * 4:]), "little")
     return total & _MASK64

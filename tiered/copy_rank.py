@@ -1,28 +1,31 @@
 """One rank's data file copied down a tier: chunk by chunk, kept or recompressed, in file order.
 
 `copy_rank` is what `tiered.migrator.migrate_step` runs per rank: read windows of the source
-(ranged reads; a small file whole), verify every chunk's checksum, keep the chunk or decode and
-re-encode it (the CPU pool for codecs a CPU runs, a `GpuRecoder` for the others), and write the
-results end to end; it returns the rank's new index. Also the GPU side of migration and of
+(ranged reads across tensor boundaries, several ahead), verify every chunk's checksum, keep the
+chunk or decode and re-encode it (the CPU pool for codecs a CPU runs, a `GpuRecoder` for the
+others), and write the results end to end, behind on a thread of their own; it returns the
+rank's new index. Also the GPU side of migration and of
 codec sampling (`GpuRecoder`, `make_gpu_recoder`).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.cpu import decode_into, pad_extent, read_chunk, read_windows, stored_extent, verified
+from tiered.cpu import WindowBuffers, chunk_windows, decode_into, pad_extent, read_chunk, stored_extent, verified
 from tiered.errors import CodecUnavailableError
-from tiered.format import ChunkRecord, CodecSpec, RankIndex, TensorRecord
+from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, RankIndex, TensorRecord
 from tiered.runtime import gpu_stack_available
-from tiered.tiers import WholeFileReader, device_reader
+from tiered.tiers import device_reader
+from tiered.units import round_up
 
 
 def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
@@ -33,16 +36,8 @@ def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
     return get_codec_class(codec).spec_for(rec.torch_dtype)
 
 
-PREFETCH_BYTES = 64 << 20
-"""A source data file up to this size is read whole at once (S3: in parallel ranged GETs)."""
-
-
 def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
     reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
-    # (Not where a GPU decodes chunks: those it reads into GPU memory itself.)
-    if reader is not None and reader.size <= PREFETCH_BYTES and all(
-            get_codec_class(t.codec.name).cpu_capable for t in index.tensors if t.chunks):
-        reader = WholeFileReader(reader)
     # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
     writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
     # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
@@ -50,27 +45,30 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     specs = [target_spec(rec, codec) for rec in ordered]
     chunks: dict[int, list[ChunkRecord]] = {rec.index: [] for rec in ordered}
     out = _Batches(writer)
+    buffers = WindowBuffers()
     end = 0
     try:
         i = 0
         while i < len(ordered):
             if _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
-                results = ((ordered[i], stored, r) for stored, r in tensor_chunks(
+                pieces = (([(ordered[i], stored, size, crc)], padded, None) for stored, (padded, size, crc) in tensor_chunks(
                     step, src, index, ordered[i], specs[i], reader, settings, pool, gpu, progress))
                 k = i + 1
             else:  # a run of tensors through the CPU pool, in windows that cross tensor boundaries
                 k = i
                 while k < len(ordered) and not _needs_gpu(ordered[k], specs[k]):
                     k += 1
-                results = _cpu_chunks(ordered[i:k], specs[i:k], reader, settings, pool, progress)
-            for rec, stored, (padded, size, crc) in results:
-                chunks[rec.index].append(ChunkRecord(end, size, stored.raw_size, crc))
-                out.add(end, padded)
-                end += len(padded)
+                pieces = _cpu_chunks(ordered[i:k], specs[i:k], reader, settings, pool, progress, buffers)
+            for entries, data, release in pieces:  # data: the padded extents of `entries`, end to end
+                out.add(end, data, done=release)
+                for rec, stored, size, crc in entries:
+                    chunks[rec.index].append(ChunkRecord(end, size, stored.raw_size, crc))
+                    end += round_up(size, ALIGNMENT)
             i = k
-        out.flush()
+        out.finish()
         data_bytes = writer.close()
     except BaseException:
+        out.abort()
         writer.abort()
         raise
     finally:
@@ -83,10 +81,6 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
                      skeleton=index.skeleton, tensors=records, io=getattr(writer, "io_mode", ""))
 
 
-WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20
-"""One read of the source: up to this many chunks and bytes, lying end to end in its data file."""
-
-
 def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:
     """Recompressing this tensor's chunks needs a GPU codec (to decode them, or to encode)."""
     return bool(rec.chunks) and spec != rec.codec and not (
@@ -94,65 +88,78 @@ def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:
 
 
 def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, settings: ZstdSettings,
-                pool: ThreadPoolExecutor, progress: Any):
-    """Yield (tensor record, source chunk record, (padded stored bytes, stored size, checksum)) for
-    every chunk of `recs`, in order: read in windows that cross tensor boundaries (a state of
-    thousands of small tensors is not one read and one pool round trip per tensor), the next
-    window read on a thread of its own while this one's chunks are verified and, where the codec
-    changes, decoded and re-encoded on the pool."""
-    refs = [(rec, spec, j) for rec, spec in zip(recs, specs) for j in range(len(rec.chunks))]
-    windows: list[list[tuple[TensorRecord, CodecSpec, int]]] = []
-    size = end = 0
-    for ref in refs:
-        c = ref[0].chunks[ref[2]]
-        if not windows or len(windows[-1]) >= WINDOW_CHUNKS or size + c.extent > WINDOW_BYTES or c.offset != end:
-            windows.append([])
-            size = 0
-        windows[-1].append(ref)
-        size += c.extent
-        end = c.offset + c.extent
+                pool: ThreadPoolExecutor, progress: Any, buffers: WindowBuffers):
+    """Yield ([(tensor record, source chunk record, stored size, checksum)], their padded extents end
+    to end, None or what to call once those are written) for every chunk of `recs`, in order, read in windows that cross tensor boundaries and
+    are read ahead (`tiered.cpu.chunk_windows`); each window's chunks verified and, where the codec
+    changes, decoded and re-encoded on the pool. A window whose chunks are all kept goes out as
+    the bytes read, padding zeroed in place (no copy per chunk, no gathering copy); one that is
+    recompressed, a chunk at a time. Windows are read into `buffers`."""
+    spec_of = {rec.index: spec for rec, spec in zip(recs, specs)}
 
-    def read(win: list) -> tuple[memoryview, int]:
-        first, last = win[0][0].chunks[win[0][2]], win[-1][0].chunks[win[-1][2]]
-        return reader.read_host(first.offset, last.offset + last.extent - first.offset), first.offset
+    def keep(ref: tuple[TensorRecord, int], data: memoryview, base: int) -> None:
+        rec, j = ref
+        c = rec.chunks[j]
+        verified(rec, j, data, base, reader.path)
+        # The padding is not under the checksum: what goes down a tier is zeros, whatever was read.
+        data[c.offset - base + c.size:c.offset - base + c.extent] = _ZEROS[:c.extent - c.size]
 
-    def one(ref: tuple[TensorRecord, CodecSpec, int], data: memoryview, base: int):
-        rec, spec, j = ref
+    def one(ref: tuple[TensorRecord, int], data: memoryview, base: int):
+        rec, j = ref
         stored = verified(rec, j, data, base, reader.path)
-        if spec == rec.codec:
+        if spec_of[rec.index] == rec.codec:
             return pad_extent(stored), len(stored), rec.chunks[j].checksum
         raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
         decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
-        return stored_extent(get_codec(spec, settings).encode_chunk(memoryview(raw)))
+        return stored_extent(get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw)))
 
-    if not windows:
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="tiered-read") as io:
-        ahead = io.submit(read, windows[0])
-        for w, win in enumerate(windows):
-            data, base = ahead.result()
-            if w + 1 < len(windows):
-                ahead = io.submit(read, windows[w + 1])
-            for ref, result in zip(win, pool.map(lambda ref: one(ref, data, base), win)):
-                yield ref[0], ref[0].chunks[ref[2]], result
-            if progress:
-                progress(sum(ref[0].chunks[ref[2]].raw_size for ref in win))
+    refs = [(rec, j) for rec in recs for j in range(len(rec.chunks))]
+    for win, data, base in chunk_windows(refs, reader, buffers):
+        if all(spec_of[rec.index] == rec.codec for rec, _ in win):
+            list(pool.map(lambda ref: keep(ref, data, base), win))
+            yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
+                   lambda data=data: buffers.give(data))  # once written
+        else:
+            for (rec, j), (padded, size, crc) in zip(win, pool.map(lambda ref: one(ref, data, base), win)):
+                yield [(rec, rec.chunks[j], size, crc)], padded, None
+            buffers.give(data)
+        if progress:
+            progress(sum(rec.chunks[j].raw_size for rec, j in win))
+
+
+_ZEROS = bytes(ALIGNMENT)
 
 
 WRITE_BATCH = 16 << 20
 """Bytes of consecutive chunks gathered into one write of the target's data file."""
 
 
+WRITE_BEHIND_BYTES = 128 << 20
+"""Bytes handed to the target's writer and not yet written (at least one write): writing a window
+overlaps verifying the next."""
+
+
 class _Batches:
-    """Consecutive extents gathered into one write of up to WRITE_BATCH bytes (a chunk at a time
-    is one system call, or one S3 buffer append, per MiB)."""
+    """The target's writes, in order, behind on a thread of their own. Small consecutive extents
+    (single chunks) are gathered into one write of up to WRITE_BATCH bytes (a chunk at a time is
+    one system call, or one S3 buffer append, per MiB); an extent of a MiB or more (a window of
+    kept chunks) is written as it is, without a gathering copy. Call `finish` (or `abort`, after
+    a failure) before closing the writer."""
 
     def __init__(self, writer: Any):
         self.writer, self.parts, self.start, self.size = writer, [], 0, 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="tiered-write")
+        self._pending: deque[tuple[Future, int]] = deque()
+        self._pending_bytes = 0
 
-    def add(self, offset: int, data: Any) -> None:
+    def add(self, offset: int, data: Any, done: Callable[[], None] | None = None) -> None:
+        """Write `data` at `offset`; with `done`, as it is (not gathered), and `done()` once written."""
         if self.parts and (offset != self.start + self.size or self.size + len(data) > WRITE_BATCH):
             self.flush()
+        if len(data) >= 1 << 20 or done is not None:
+            self.flush()
+            self._write(offset, memoryview(data), done)
+            return
         if not self.parts:
             self.start = offset
         self.parts.append(data)
@@ -160,41 +167,58 @@ class _Batches:
 
     def flush(self) -> None:
         if self.parts:
-            self.writer.write_host(self.start, memoryview(b"".join(self.parts)))
+            self._write(self.start, memoryview(b"".join(self.parts)))
             self.parts, self.size = [], 0
+
+    def _write(self, offset: int, data: memoryview, done: Callable[[], None] | None = None) -> None:
+        while self._pending and self._pending_bytes + len(data) > WRITE_BEHIND_BYTES:
+            self._wait_one()  # backpressure; a failed write raises here
+
+        def write() -> None:
+            self.writer.write_host(offset, data)
+            if done is not None:
+                done()
+
+        self._pending.append((self._io.submit(write), len(data)))
+        self._pending_bytes += len(data)
+
+    def _wait_one(self) -> None:
+        future, n = self._pending.popleft()
+        self._pending_bytes -= n
+        future.result()
+
+    def finish(self) -> None:
+        """Write what is gathered and wait for every write; raises the first failure."""
+        try:
+            self.flush()
+            while self._pending:
+                self._wait_one()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Wait for the writes under way (their failures are not raised) and stop the thread."""
+        for future, _ in self._pending:
+            future.cancel()
+        self._io.shutdown(wait=True)
+        self._pending.clear()
 
 
 def tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings: ZstdSettings,
-                   pool: ThreadPoolExecutor, gpu: "GpuRecoder | None", progress):
-    """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order."""
+                  pool: ThreadPoolExecutor, gpu: "GpuRecoder | None", progress):
+    """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order, for a
+    tensor whose recompression needs a GPU (`_needs_gpu`). The GPU decodes what only it can (ans:
+    at hundreds of GB/s, a brief load) and encodes what only it can; zstd and none are encoded on
+    the CPU pool (zstandard releases the GIL). GPU zstd at 1 MiB chunks ran at ~1 GB/s on an H100
+    and slowed a training step 4x (docs/benchmarks.md)."""
     if not rec.chunks:
         return
-    keep = spec == rec.codec
-    src_codec, dst_cls = get_codec(rec.codec, settings), get_codec_class(spec.name)
-    # The GPU decodes what only it can (ans: at hundreds of GB/s, a brief load) and encodes what
-    # only it can; zstd and none are encoded on the CPU pool (zstandard releases the GIL). GPU
-    # zstd at 1 MiB chunks ran at ~1 GB/s on an H100 and slowed a training step 4x (docs/benchmarks.md).
-    gpu_decode, gpu_encode = not keep and not src_codec.cpu_capable, not keep and not dst_cls.cpu_capable
-    if (gpu_decode or gpu_encode) and gpu is None:
+    if gpu is None:
         raise CodecUnavailableError(
             f"{reader.path}: tensor {rec.name!r}: recompressing {rec.codec.name!r} to {spec.name!r} needs a GPU with "
             "nvCOMP: run the migration on a GPU machine")
-    if gpu_decode or gpu_encode:
-        yield from _gpu_window_chunks(step, src, index, rec, spec, reader, settings, pool, gpu, progress, gpu_encode)
-        return
-    dst_codec = get_codec(spec, settings)
-    for window, data, base in read_windows(rec, reader):
-        def one(j: int):
-            stored = verified(rec, j, data, base, reader.path)
-            if keep:
-                return pad_extent(stored), len(stored), rec.chunks[j].checksum
-            raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
-            decode_into(src_codec, rec, j, stored, memoryview(raw), reader.path)
-            return stored_extent(dst_codec.encode_chunk(memoryview(raw)))
-
-        yield from zip((rec.chunks[j] for j in window), pool.map(one, window))
-        if progress:
-            progress(sum(rec.chunks[j].raw_size for j in window))
+    gpu_encode = not get_codec_class(spec.name).cpu_capable
+    yield from _gpu_window_chunks(step, src, index, rec, spec, reader, settings, pool, gpu, progress, gpu_encode)
 
 
 def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings, pool,

@@ -6,6 +6,8 @@ a thread pool (zstandard and numpy release the GIL), one chunk per task.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -123,16 +125,89 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
     return list(pool.map(one, range(len(seg.chunks))))
 
 
-_READ_WINDOW = 64  # chunks read per pread: bounds restore memory whatever the tensor's size
+WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20
+"""One read of a data file: up to this many chunks and bytes, lying end to end in it."""
+READ_AHEAD_BYTES = 128 << 20
+"""Bytes of windows read ahead of the one being processed (at least one window): reads of a
+remote tier (S3's GETs) overlap one another and the verifying and decoding."""
+_READERS = 4
 
 
-def read_windows(rec: TensorRecord, reader) -> Iterator[tuple[range, memoryview, int]]:
-    """(chunk indices, their bytes, file offset of those bytes) for windows of a tensor's chunks:
-    one ranged read per window."""
-    for w in range(0, len(rec.chunks), _READ_WINDOW):
-        window = range(w, min(w + _READ_WINDOW, len(rec.chunks)))
-        first, last = rec.chunks[window[0]], rec.chunks[window[-1]]
-        yield window, reader.read_host(first.offset, last.offset + last.extent - first.offset), first.offset
+class WindowBuffers:
+    """Window buffers recycled between reads: a migration or restore reads its data file into the
+    same few buffers instead of a fresh one per window (fresh memory costs a page fault per 4 KiB:
+    more CPU than the copy into it on a small machine). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> memoryview:
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= size]
+            if fits:
+                buf = min(fits, key=len)
+                self._free.remove(buf)
+                return memoryview(buf)[:size]
+        return memoryview(bytearray(size))
+
+    def give(self, view: memoryview) -> None:
+        """Return a buffer `take` gave; its bytes may be overwritten by the next read at once."""
+        with self._lock:
+            self._free.append(view.obj)
+
+
+def chunk_windows(refs: Sequence[tuple[TensorRecord, int]], reader,
+                  buffers: WindowBuffers | None = None) -> Iterator[tuple[list, memoryview, int]]:
+    """(window of chunk refs, their bytes, file offset of those bytes) for `refs` (tensor record,
+    chunk number) in file order: windows of chunks lying end to end cross tensor boundaries (a
+    state of thousands of small tensors is a few reads, not a read and a pool round trip per
+    tensor), one ranged read each, read ahead on threads of their own (`READ_AHEAD_BYTES`).
+    With `buffers`, each window is read into one of them; the caller gives it back when done."""
+    windows: list[list[tuple[TensorRecord, int]]] = []
+    sizes: list[int] = []
+    end = 0
+    for ref in refs:
+        c = ref[0].chunks[ref[1]]
+        if not windows or len(windows[-1]) >= WINDOW_CHUNKS or sizes[-1] + c.extent > WINDOW_BYTES or c.offset != end:
+            windows.append([])
+            sizes.append(0)
+        windows[-1].append(ref)
+        sizes[-1] += c.extent
+        end = c.offset + c.extent
+    if not windows:
+        return
+
+    def read(w: int) -> tuple[memoryview, int]:
+        first = windows[w][0][0].chunks[windows[w][0][1]]
+        if buffers is None:
+            return reader.read_host(first.offset, sizes[w]), first.offset
+        out = buffers.take(sizes[w])
+        reader.read_into(first.offset, out)
+        return out, first.offset
+
+    with ThreadPoolExecutor(_READERS, thread_name_prefix="tiered-read") as io:
+        ahead: deque = deque()
+        nxt = inflight = 0
+
+        def fill() -> None:  # read ahead: at least the next window, then up to READ_AHEAD_BYTES
+            nonlocal nxt, inflight
+            while nxt < len(windows) and (not ahead or inflight + sizes[nxt] <= READ_AHEAD_BYTES):
+                ahead.append(io.submit(read, nxt))
+                inflight += sizes[nxt]
+                nxt += 1
+
+        fill()
+        for w in range(len(windows)):
+            data, base = ahead.popleft().result()
+            inflight -= sizes[w]
+            fill()
+            yield windows[w], data, base
+
+
+def file_order(recs: Sequence[TensorRecord]) -> list[tuple[TensorRecord, int]]:
+    """Every chunk of `recs` as (record, chunk number), in data file order."""
+    return sorted(((rec, j) for rec in recs for j in range(len(rec.chunks))), key=lambda r: r[0].chunks[r[1]].offset)
 
 
 def verified(rec: TensorRecord, j: int, data: memoryview, base: int, path: str) -> memoryview:
@@ -164,32 +239,37 @@ def read_chunk(rec: TensorRecord, j: int, reader, settings: ZstdSettings) -> np.
     return raw
 
 
-def decode_tensor(rec: TensorRecord, reader, out: np.ndarray, pool: ThreadPoolExecutor,
-                  settings: ZstdSettings, chunk_size: int, repair=None, unread: str = "the data file is missing") -> None:
-    """Read, verify and decode every chunk of `rec` into `out` (a uint8 array of rec.nbytes).
+def decode_tensors(items: Sequence[tuple[TensorRecord, np.ndarray]], reader, pool: ThreadPoolExecutor,
+                   settings: ZstdSettings, chunk_size: int, repair=None, unread: str = "the data file is missing") -> None:
+    """Read, verify and decode every chunk of each (record, out) -- `out` a uint8 array of
+    rec.nbytes -- in windows that cross tensor boundaries (`chunk_windows`), chunks decoded on `pool`.
 
     `repair(rec, j, why)`, when given, supplies the raw bytes of a chunk that fails here (a
     checksum or decode error), and of every chunk when `reader` is None (`unread` says why).
     """
-    codec = get_codec(rec.codec, settings)
+    outs = {rec.index: out for rec, out in items}
+    buffers = WindowBuffers()
 
-    def fix(j: int, why: str) -> None:
-        out[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size] = repair(rec, j, why)
+    def fix(rec: TensorRecord, j: int, why: str) -> None:
+        outs[rec.index][j * chunk_size:j * chunk_size + rec.chunks[j].raw_size] = repair(rec, j, why)
 
     if reader is None:
-        for j in range(len(rec.chunks)):
-            fix(j, unread)
+        for rec, _ in items:
+            for j in range(len(rec.chunks)):
+                fix(rec, j, unread)
         return
-    for window, data, base in read_windows(rec, reader):
-        def one(j: int) -> None:
+    for window, data, base in chunk_windows(file_order([rec for rec, _ in items]), reader, buffers):
+        def one(ref: tuple[TensorRecord, int]) -> None:
+            rec, j = ref
             try:
                 stored = verified(rec, j, data, base, reader.path)
-                decode_into(codec, rec, j, stored,
-                            memoryview(out[j * chunk_size:j * chunk_size + rec.chunks[j].raw_size]), reader.path)
+                decode_into(get_codec(rec.codec, settings), rec, j, stored,
+                            memoryview(outs[rec.index][j * chunk_size:j * chunk_size + rec.chunks[j].raw_size]),
+                            reader.path)
             except CorruptionError as exc:
                 if repair is None:
                     raise
-                fix(j, str(exc))
+                fix(rec, j, str(exc))
 
-        for f in [pool.submit(one, j) for j in window]:
-            f.result()
+        list(pool.map(one, window))
+        buffers.give(data)

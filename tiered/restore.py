@@ -6,7 +6,7 @@
          match, else a new one on `device` or where it was saved)
       -> decode_rank: GPU codecs read into GPU buffers (KvikIO), checksums verified and decoded on
          the GPU (tiered.gpu); CPU codecs read in windows, verified and decoded on the codec pool
-         (tiered.cpu: read_windows -> verified -> decode_into, the same chunk reads the migrator
+         (tiered.cpu: chunk_windows -> verified -> decode_into, the same chunk reads the migrator
          and `verify_step` use)
       -> a chunk failing its checksum, or a missing data file, is served by `ChunkRepair` from the
          next slower tier holding the step
@@ -46,6 +46,9 @@ from tiered.tiers import device_reader
 
 log = logging.getLogger("tiered")
 _DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
+_STAGED_BYTES = 256 << 20
+"""Host bytes a CPU restore decodes into before copying to destinations it cannot decode into
+directly (GPU tensors without GPU codecs, non-contiguous views)."""
 
 
 class ChunkRepair:
@@ -177,21 +180,35 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
         by_gpu = {}
     def decode_on_cpu() -> None:
         try:
-            for rec, dst in on_cpu:
-                if not rec.nbytes:
-                    continue
-                reader, why = (None, f"{rec.codec.name} needs a GPU to decode") if rec.index in elsewhere else \
-                    (host_reader, "the data file is missing")
-                if dst.device.type == "cpu" and dst.is_contiguous():
-                    out = dst.reshape(-1).view(torch.uint8).numpy()
-                    cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
-                else:
-                    out = np.empty(rec.nbytes, dtype=np.uint8)
-                    cpu.decode_tensor(rec, reader, out, pool, settings, index.chunk_size, repair, why)
-                    dst.copy_(torch.from_numpy(out).view(rec.torch_dtype).reshape(rec.shape))
+            todo = [(rec, dst) for rec, dst in on_cpu if rec.nbytes]
+            for rec, dst in todo:
+                if rec.index in elsewhere:
+                    decode_into_place([(rec, dst)], None, f"{rec.codec.name} needs a GPU to decode")
+            decode_into_place([item for item in todo if item[0].index not in elsewhere], host_reader,
+                              "the data file is missing")
         finally:
             if host_reader is not None:
                 host_reader.close()
+
+    def decode_into_place(items: list[tuple[TensorRecord, torch.Tensor]], reader: Any, why: str) -> None:
+        """Decode straight into contiguous CPU destinations; into buffers of at most
+        `_STAGED_BYTES` at a time for the others (GPU tensors, views), copied there after."""
+        batch: list[tuple[TensorRecord, np.ndarray]] = []
+        after: list[tuple[torch.Tensor, np.ndarray, TensorRecord]] = []
+        staged = 0
+        for k, (rec, dst) in enumerate(items):
+            if dst.device.type == "cpu" and dst.is_contiguous():
+                batch.append((rec, dst.reshape(-1).view(torch.uint8).numpy()))
+            else:
+                out = np.empty(rec.nbytes, dtype=np.uint8)
+                batch.append((rec, out))
+                after.append((dst, out, rec))
+                staged += rec.nbytes
+            if staged >= _STAGED_BYTES or k == len(items) - 1:
+                cpu.decode_tensors(batch, reader, pool, settings, index.chunk_size, repair, why)
+                for d, out, r in after:
+                    d.copy_(torch.from_numpy(out).view(r.torch_dtype).reshape(r.shape))
+                batch, after, staged = [], [], 0
 
     if not by_gpu:
         decode_on_cpu()
@@ -333,18 +350,19 @@ def verify_step(tier: Any, step: int, indexes: Sequence[Any], pool: Any, setting
             if reader.size != index.data_bytes:
                 raise TieredError(f"{reader.path}: data file has {reader.size} bytes, the index says {index.data_bytes}")
             for rec in index.tensors:
-                codec = get_codec(rec.codec, settings)
-                decode = not quick and codec.cpu_capable
-                undecoded += 0 if decode or quick else len(rec.chunks)
-                for window, data, base in cpu.read_windows(rec, reader):
-                    def one(j: int) -> None:
-                        stored = cpu.verified(rec, j, data, base, reader.path)
-                        if decode:
-                            out = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
-                            cpu.decode_into(codec, rec, j, stored, memoryview(out), reader.path)
+                if not quick and not get_codec(rec.codec, settings).cpu_capable:
+                    undecoded += len(rec.chunks)
+            for window, data, base in cpu.chunk_windows(cpu.file_order(index.tensors), reader):
+                def one(ref: tuple[TensorRecord, int]) -> None:
+                    rec, j = ref
+                    stored = cpu.verified(rec, j, data, base, reader.path)
+                    codec = get_codec(rec.codec, settings)
+                    if not quick and codec.cpu_capable:
+                        out = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
+                        cpu.decode_into(codec, rec, j, stored, memoryview(out), reader.path)
 
-                    list(pool.map(one, window))
-                    progress(sum(rec.chunks[j].raw_size for j in window))
+                list(pool.map(one, window))
+                progress(sum(rec.chunks[j].raw_size for rec, j in window))
         finally:
             reader.close()
     if quick:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiered.config import LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig
-from tiered.tiers.base import DataReader, DataWriter, HostStagedReader, Tier, WholeFileReader, device_reader
+from tiered.tiers.base import DataReader, DataWriter, HostStagedReader, Tier, device_reader
 from tiered.tiers.local import LocalTier
 from tiered.tiers.posix import PosixTier
 
@@ -23,5 +23,5 @@ def make_tier(config: TierConfig) -> Tier:
     raise TypeError(f"unknown tier config {type(config).__name__}")
 
 
-__all__ = ["DataReader", "DataWriter", "HostStagedReader", "LocalTier", "PosixTier", "Tier", "WholeFileReader",
+__all__ = ["DataReader", "DataWriter", "HostStagedReader", "LocalTier", "PosixTier", "Tier",
            "device_reader", "make_tier"]

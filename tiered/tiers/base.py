@@ -20,7 +20,7 @@ that no rank removes another's files; one rank commits once every rank's files a
 Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
 ``open_data_reader`` take names validated by tiered.format (plain names inside the step).
 ``device_reader(tier, step, name)`` reads into GPU memory: KvikIO where the tier ``reads_into_gpu``,
-else a host read and a copy (`HostStagedReader`). `WholeFileReader` serves a small file read at once.
+else a host read and a copy (`HostStagedReader`).
 """
 
 from __future__ import annotations
@@ -57,8 +57,14 @@ class DataReader(Protocol):
     path: str
     io_mode: str
     size: int
+    remote: bool
+    """Each read is a network round trip (S3): callers fetch a small file whole, not window by window."""
 
-    def read_host(self, offset: int, size: int) -> memoryview: ...
+    def read_host(self, offset: int, size: int) -> memoryview:
+        """Bytes [offset, offset + size), in a new writable buffer."""
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset + len(out)) into the caller's buffer."""
 
     def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> Any:
         """Start a read into GPU memory; returns a future with done() and get()."""
@@ -138,6 +144,7 @@ class HostStagedReader:
     def __init__(self, reader: Any):
         self._reader = reader
         self.path, self.size, self.io_mode = reader.path, reader.size, reader.io_mode + "+h2d"
+        self.remote = reader.remote
 
     def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> _FinishedRead:
         data = self._reader.read_host(offset, size)
@@ -148,6 +155,9 @@ class HostStagedReader:
     def read_host(self, offset: int, size: int) -> memoryview:
         return self._reader.read_host(offset, size)
 
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self._reader.read_into(offset, out)
+
     def close(self) -> None:
         self._reader.close()
 
@@ -157,23 +167,3 @@ def device_reader(tier: Any, step: int, data_file: str) -> Any:
     if tier.reads_into_gpu:
         return tier.open_data_reader(step, data_file, device=True)
     return HostStagedReader(tier.open_data_reader(step, data_file, device=False))
-
-
-class WholeFileReader:
-    """A small data file read whole at once (an S3 tier fetches it as parallel ranged GETs), then
-    served from memory: a migration of a small step does not pay one round trip per tensor."""
-
-    def __init__(self, reader: Any):
-        self.path, self.size, self.io_mode = reader.path, reader.size, reader.io_mode
-        try:
-            self._data = reader.read_host(0, reader.size)
-        finally:
-            reader.close()
-
-    def read_host(self, offset: int, size: int) -> memoryview:
-        if offset + size > self.size:
-            raise TieredError(f"{self.path}: file is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
-        return self._data[offset:offset + size]
-
-    def close(self) -> None:
-        self._data = memoryview(b"")

@@ -339,6 +339,8 @@ def _is_aligned(buf: memoryview) -> bool:
 
 
 class LocalDataReader:
+    remote = False
+
     def __init__(self, path: Path, device: bool):
         self.path = str(path)
         try:
@@ -360,16 +362,19 @@ class LocalDataReader:
                               f"has {self.size}")
 
     def read_host(self, offset: int, size: int) -> memoryview:
+        view = memoryview(bytearray(size))
+        self.read_into(offset, view)
+        return view
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        size = len(out)
         self._check(offset, size)
-        buf = bytearray(size)
-        view = memoryview(buf)
         done = 0
         while done < size:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
+            n = os.preadv(self._fd, [out[done:]], offset + done)
             if n == 0:
                 raise TieredError(f"{self.path}: unexpected end of file at {offset + done}")
             done += n
-        return view
 
     def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> Any:
         self._check(offset, size)

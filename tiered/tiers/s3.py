@@ -61,7 +61,9 @@ class S3DataWriter:
         self.tier, self.key, self.part_size = tier, key, part_size
         self._buf = bytearray(part_size)
         """The part being filled: its first `_fill` bytes. Handed to the upload as it is when full
-        (one copy per byte, from the caller's buffer into the part), and a new one started."""
+        (one copy per byte, from the caller's buffer into the part), and the next one started in
+        a buffer an earlier part has finished with (fresh memory costs a page fault per 4 KiB)."""
+        self._free: list[bytearray] = []
         self._fill = 0
         self._end = 0
         self._upload_id: str | None = None
@@ -80,13 +82,14 @@ class S3DataWriter:
             self._fill += n
             src = src[n:]
             if self._fill == self.part_size:
-                part, self._buf, self._fill = self._buf, bytearray(self.part_size), 0
-                self._submit(part)
+                part, self._fill = self._buf, 0
+                self._buf = self._free.pop() if self._free else bytearray(self.part_size)
+                self._submit(part, reuse=True)
 
     def write_device(self, offset: int, buf: Any) -> None:
         raise TieredError(f"tier {self.tier.name!r} (S3) writes from host memory only")
 
-    def _submit(self, part: bytes | bytearray) -> None:
+    def _submit(self, part: bytes | bytearray, reuse: bool = False) -> None:
         s3 = self.tier.client
         if self._upload_id is None:
             try:
@@ -102,6 +105,8 @@ class S3DataWriter:
                                    PartNumber=number, Body=part)
                 return {"PartNumber": number, "ETag": r["ETag"]}
             finally:
+                if reuse:
+                    self._free.append(part)  # its upload is over (retries included)
                 self._slots.release()
 
         self._parts.append(self.tier.pool.submit(upload))
@@ -133,7 +138,7 @@ class S3DataWriter:
         except Exception as exc:  # noqa: BLE001
             self.abort()
             raise _client_error(exc, f"{self.tier.url(self.key)}: upload failed") from None
-        self._buf, self._fill = bytearray(), 0
+        self._buf, self._fill, self._free = bytearray(), 0, []
         return self._end
 
     def abort(self) -> None:
@@ -149,6 +154,7 @@ class S3DataWriter:
 
 class S3DataReader:
     io_mode = "s3-range"
+    remote = True
 
     def __init__(self, tier: "S3Tier", key: str):
         self.tier, self.key = tier, key
@@ -164,32 +170,38 @@ class S3DataReader:
         """Bytes [offset, offset + size): one ranged GET, or for a large range (a window of chunks
         being restored or migrated) pieces of `READ_PIECE` bytes fetched in parallel, up to the
         tier's `max_concurrency` at once, into one buffer."""
+        out = memoryview(bytearray(size))
+        self.read_into(offset, out)
+        return out
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """As `read_host`, into the caller's buffer."""
+        size = len(out)
         if offset + size > self.size:
             raise TieredError(f"{self.path}: object is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
-        if size == 0:
-            return memoryview(b"")
         if size < 2 * READ_PIECE or self.tier.max_concurrency < 2:
-            return memoryview(self._get_range(offset, size))
-        out = bytearray(size)
-
-        def piece(start: int) -> None:
-            n = min(READ_PIECE, size - start)
-            out[start:start + n] = self._get_range(offset + start, n)
-
-        futures = [self.tier.read_pool.submit(piece, start) for start in range(0, size, READ_PIECE)]
+            if size:
+                self._get_range(offset, out)
+            return
+        futures = [self.tier.read_pool.submit(self._get_range, offset + start, out[start:start + READ_PIECE])
+                   for start in range(0, size, READ_PIECE)]
         for f in futures:
             f.result()
-        return memoryview(out)
 
-    def _get_range(self, offset: int, size: int) -> bytes:
+    def _get_range(self, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset + len(out)) into `out`, straight from the response (no copy)."""
+        size = len(out)
         try:
             body = self.tier.client.get_object(Bucket=self.tier.bucket, Key=self.key,
-                                               Range=f"bytes={offset}-{offset + size - 1}")["Body"].read()
+                                               Range=f"bytes={offset}-{offset + size - 1}")["Body"]
+            done = 0
+            with body:
+                while done < size and (n := body.readinto(out[done:])):
+                    done += n
         except Exception as exc:  # noqa: BLE001
             raise _client_error(exc, f"{self.path}: ranged read failed") from None
-        if len(body) != size:
-            raise TieredError(f"{self.path}: ranged read returned {len(body)} bytes, expected {size}")
-        return body
+        if done != size:
+            raise TieredError(f"{self.path}: ranged read returned {done} bytes, expected {size}")
 
     def read_device_async(self, offset: int, size: int, out: Any) -> Any:
         raise TieredError(f"tier {self.tier.name!r} (S3) reads into host memory only")
