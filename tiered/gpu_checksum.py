@@ -35,7 +35,21 @@ _BLOCK = 2048
 _state = {"ok": triton is not None, "why": "Triton is not installed", "lock": threading.Lock()}
 
 if triton is not None:
-    @triton.jit
+    def _jit(fn):
+        """Triton compiles a variant per "specialization" of each integer argument (equal to 1,
+        divisible by 16, other) and of each pointer's 16-byte alignment. `first` (a run's first
+        row) takes every kind of value, and the rows of a wave's (3, n) sizes / sums / offsets
+        tensor are aligned only for even n: the first saves compiled up to four more variants,
+        each during a save, after `warm_up` (H100, GPU run 79: a first save's stall 1.47 s against
+        0.11-0.22 s warm). One variant per PACK serves every value now. (`rows` and `dst` keep
+        their alignment specialization: they are 4 KiB-aligned, and it vectorizes their loads.)"""
+        try:
+            return triton.jit(do_not_specialize=["row_words", "first"],
+                              do_not_specialize_on_alignment=["sizes", "sums", "dst_words"])(fn)
+        except TypeError:  # a Triton without alignment control: those still compile on first use
+            return triton.jit(do_not_specialize=["row_words", "first"])(fn)
+
+    @_jit
     def _rows_kernel(rows, row_words, sizes, sums, dst, dst_words, first, PACK: tl.constexpr, BLOCK: tl.constexpr):
         r = first + tl.program_id(0)
         size = tl.load(sizes + r)
