@@ -233,6 +233,10 @@ class Window:
 
     def __init__(self, step_fn: Callable[..., Any], device: str, steps: int):
         self.step_fn, self.device, self.steps = step_fn, device, steps
+        self.last_steps_ms: list[float] = []
+        """The last window's steps, each from its start to the end of its lockstep, then the wait
+        for the GPU to finish (ms): which steps a save slows, the one it overlaps or later ones,
+        and whether it slows the host (launching) or the GPU."""
 
     def run(self, save: Callable[[], Any] | None = None,
             before_update: Callable[[Any], Any] | None = None) -> tuple[float, float, Any]:
@@ -246,11 +250,15 @@ class Window:
             call = time.perf_counter() - t0
             if before_update is not None:
                 hook = lambda r=result: before_update(r)  # noqa: E731
+        marks = [time.perf_counter()]
         for _ in range(self.steps):
             self.step_fn(before_update=hook)
             lockstep(self.device)
             hook = None
+            marks.append(time.perf_counter())
         sync(self.device)
+        self.last_steps_ms = [round(1e3 * (b - a), 1) for a, b in zip(marks, marks[1:])]
+        self.last_steps_ms.append(round(1e3 * (time.perf_counter() - marks[-1]), 1))  # the GPU's backlog
         return time.perf_counter() - t0, call, result
 
     def baseline(self, n: int = 3) -> float:
@@ -352,6 +360,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         done = durable(result)
         low = min(low, gpu_free(device))
         row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
+        row.saves[-1]["steps_ms"] = window.last_steps_ms
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
@@ -594,6 +603,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         say(f"# ceilings: {out['ceilings']}")
     window = Window(step_fn, device, window_steps)
     out["window_ms"] = round(1e3 * window.baseline(), 1)
+    out["window_steps_ms"] = window.last_steps_ms  # the last baseline window's steps
     root.mkdir(parents=True, exist_ok=True)
     one_copy = shutil.disk_usage(root).free < 2.2 * state_bytes * world()
     if one_copy:

@@ -51,8 +51,9 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
         i = 0
         while i < len(ordered):
             if _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
-                pieces = (([(ordered[i], stored, size, crc)], padded, None) for stored, (padded, size, crc) in tensor_chunks(
-                    step, src, index, ordered[i], specs[i], reader, settings, pool, gpu, progress))
+                pieces = (([(ordered[i], stored, size, crc)], padded, None)
+                          for stored, (padded, size, crc) in tensor_chunks(step, src, index, ordered[i], specs[i],
+                                                                           reader, settings, pool, gpu, progress))
                 k = i + 1
             else:  # a run of tensors through the CPU pool, in windows that cross tensor boundaries
                 k = i
@@ -90,11 +91,12 @@ def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:
 def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, settings: ZstdSettings,
                 pool: ThreadPoolExecutor, progress: Any, buffers: WindowBuffers):
     """Yield ([(tensor record, source chunk record, stored size, checksum)], their padded extents end
-    to end, None or what to call once those are written) for every chunk of `recs`, in order, read in windows that cross tensor boundaries and
-    are read ahead (`tiered.cpu.chunk_windows`); each window's chunks verified and, where the codec
-    changes, decoded and re-encoded on the pool. A window whose chunks are all kept goes out as
-    the bytes read, padding zeroed in place (no copy per chunk, no gathering copy); one that is
-    recompressed, a chunk at a time. Windows are read into `buffers`."""
+    to end, what to call once those are written or None) for every chunk of `recs`, in order:
+    read in windows that cross tensor boundaries, read ahead into `buffers`
+    (`tiered.cpu.chunk_windows`); each window's chunks verified and, where the codec changes,
+    decoded and re-encoded on the pool. A window whose chunks are all kept goes out as the bytes
+    read, padding zeroed in place (no copy per chunk, no gathering copy); one that is
+    recompressed, a chunk at a time."""
     spec_of = {rec.index: spec for rec, spec in zip(recs, specs)}
 
     def keep(ref: tuple[TensorRecord, int], data: memoryview, base: int) -> None:

@@ -138,6 +138,8 @@ class WindowBuffers:
     same few buffers instead of a fresh one per window (fresh memory costs a page fault per 4 KiB:
     more CPU than the copy into it on a small machine). Thread-safe."""
 
+    KEEP = 8
+
     def __init__(self) -> None:
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
@@ -152,9 +154,12 @@ class WindowBuffers:
         return memoryview(bytearray(size))
 
     def give(self, view: memoryview) -> None:
-        """Return a buffer `take` gave; its bytes may be overwritten by the next read at once."""
+        """Return a buffer `take` gave; its bytes may be overwritten by the next read at once.
+        At most `KEEP` are kept, the largest (windows of a data file are mostly the largest size)."""
         with self._lock:
             self._free.append(view.obj)
+            if len(self._free) > self.KEEP:
+                self._free.remove(min(self._free, key=len))
 
 
 def chunk_windows(refs: Sequence[tuple[TensorRecord, int]], reader,
@@ -240,7 +245,8 @@ def read_chunk(rec: TensorRecord, j: int, reader, settings: ZstdSettings) -> np.
 
 
 def decode_tensors(items: Sequence[tuple[TensorRecord, np.ndarray]], reader, pool: ThreadPoolExecutor,
-                   settings: ZstdSettings, chunk_size: int, repair=None, unread: str = "the data file is missing") -> None:
+                   settings: ZstdSettings, chunk_size: int, repair=None,
+                   unread: str = "the data file is missing") -> None:
     """Read, verify and decode every chunk of each (record, out) -- `out` a uint8 array of
     rec.nbytes -- in windows that cross tensor boundaries (`chunk_windows`), chunks decoded on `pool`.
 
