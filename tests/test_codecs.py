@@ -169,3 +169,42 @@ def test_zstd_cpu_and_gpu_read_each_others_frames(dtype):
         codec.unpack(out, back, CHUNK)
     stream.synchronize()
     assert torch.equal(out.cpu(), raw)
+
+
+@pytest.mark.gpu
+def test_gpu_compression_does_not_wait_for_the_default_stream():
+    """A save compresses on its own stream beside training, whose kernels queue on the default
+    stream: no nvCOMP call may wait for them (its own pinned allocations did, so a guarded save's
+    drain stood still during the forward and backward; docs/benchmarks.md, runs 83-86). Ordering,
+    not timing: the round trip is over while a long kernel still runs on the default stream."""
+    import threading
+
+    spec = get_codec_class("ans").spec_for(torch.float32)
+    codec = get_codec(spec)
+    raw = as_bytes(sample(torch.float32, 8 * CHUNK, seed=9)).cuda()
+    offsets, sizes = [i * CHUNK for i in range(8)], [CHUNK] * 8
+    stride = -(-codec.max_stored_size(CHUNK) // 4096) * 4096
+    slab = torch.zeros(8 * stride, dtype=torch.uint8, device="cuda")
+    pack, back, out = torch.empty_like(raw), torch.empty_like(raw), torch.zeros_like(raw)
+    stream = torch.cuda.Stream()
+    rows = [i * stride for i in range(8)]
+
+    def round_trip() -> None:
+        with torch.cuda.stream(stream):
+            codec.pack(pack, raw, CHUNK)
+            stored = codec.encode_batch(stream, CHUNK, pack, offsets, sizes, slab, rows, stride).sizes()
+            codec.decode_batch(stream, CHUNK, slab, rows, stored, back, offsets, sizes)
+            codec.unpack(out, back, CHUNK)
+        stream.synchronize()
+
+    round_trip()  # (nvCOMP's first use sets itself up, and may synchronize once)
+    torch.cuda.synchronize()
+    out.zero_()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of a single kernel on the default stream (cycles)
+    worker = threading.Thread(target=round_trip)
+    worker.start()
+    worker.join()
+    still_busy = not torch.cuda.default_stream().query()
+    torch.cuda.synchronize()
+    assert torch.equal(out, raw)
+    assert still_busy, "the compression waited for the default stream's kernel"
