@@ -57,8 +57,6 @@ class DataReader(Protocol):
     path: str
     io_mode: str
     size: int
-    remote: bool
-    """Each read is a network round trip (S3): callers fetch a small file whole, not window by window."""
 
     def read_host(self, offset: int, size: int) -> memoryview:
         """Bytes [offset, offset + size), in a new writable buffer."""
@@ -144,7 +142,6 @@ class HostStagedReader:
     def __init__(self, reader: Any):
         self._reader = reader
         self.path, self.size, self.io_mode = reader.path, reader.size, reader.io_mode + "+h2d"
-        self.remote = reader.remote
 
     def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> _FinishedRead:
         data = self._reader.read_host(offset, size)

@@ -339,8 +339,6 @@ def _is_aligned(buf: memoryview) -> bool:
 
 
 class LocalDataReader:
-    remote = False
-
     def __init__(self, path: Path, device: bool):
         self.path = str(path)
         try:

@@ -154,7 +154,6 @@ class S3DataWriter:
 
 class S3DataReader:
     io_mode = "s3-range"
-    remote = True
 
     def __init__(self, tier: "S3Tier", key: str):
         self.tier, self.key = tier, key
