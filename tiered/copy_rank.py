@@ -118,7 +118,11 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
     refs = [(rec, j) for rec in recs for j in range(len(rec.chunks))]
     for win, data, base in chunk_windows(refs, reader, buffers):
         if all(spec_of[rec.index] == rec.codec for rec, _ in win):
-            list(pool.map(lambda ref: keep(ref, data, base), win))
+            if len(data) < INLINE_BELOW * len(win):  # small chunks: a pool task costs more than the checksum
+                for ref in win:
+                    keep(ref, data, base)
+            else:
+                list(pool.map(lambda ref: keep(ref, data, base), win))
             yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
                    lambda data=data: buffers.give(data))  # once written
         else:
@@ -130,6 +134,10 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
 
 
 _ZEROS = bytes(ALIGNMENT)
+INLINE_BELOW = 256 << 10
+"""Kept chunks averaging under this size are verified on the calling thread: a pool task costs
+20-50 us, a 57 KB chunk's checksum ~16 us (34 MB step of 600 tensors to S3 on the 2-core CPU
+machine: 68-76% of boto3's upload through the pool, 77-82% inline)."""
 
 
 WRITE_BATCH = 16 << 20
