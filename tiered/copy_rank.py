@@ -25,7 +25,6 @@ from tiered.errors import CodecUnavailableError
 from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, RankIndex, TensorRecord
 from tiered.runtime import gpu_stack_available
 from tiered.tiers import device_reader
-from tiered.units import round_up
 
 
 def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
@@ -64,7 +63,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
                 out.add(end, data, done=release)
                 for rec, stored, size, crc in entries:
                     chunks[rec.index].append(ChunkRecord(end, size, stored.raw_size, crc))
-                    end += round_up(size, ALIGNMENT)
+                    end += chunks[rec.index][-1].extent
             i = k
         out.finish()
         data_bytes = writer.close()

@@ -352,7 +352,8 @@ def verify_step(tier: Any, step: int, indexes: Sequence[Any], pool: Any, setting
             for rec in index.tensors:
                 if not quick and not get_codec(rec.codec, settings).cpu_capable:
                     undecoded += len(rec.chunks)
-            for window, data, base in cpu.chunk_windows(cpu.file_order(index.tensors), reader):
+            buffers = cpu.WindowBuffers()
+            for window, data, base in cpu.chunk_windows(cpu.file_order(index.tensors), reader, buffers):
                 def one(ref: tuple[TensorRecord, int]) -> None:
                     rec, j = ref
                     stored = cpu.verified(rec, j, data, base, reader.path)
@@ -362,6 +363,7 @@ def verify_step(tier: Any, step: int, indexes: Sequence[Any], pool: Any, setting
                         cpu.decode_into(codec, rec, j, stored, memoryview(out), reader.path)
 
                 list(pool.map(one, window))
+                buffers.give(data)
                 progress(sum(rec.chunks[j].raw_size for rec, j in window))
         finally:
             reader.close()
