@@ -310,11 +310,14 @@ class GpuRecoder:
         return self.device.batch_chunks
 
 
-def make_gpu_recoder(config: Any) -> GpuRecoder | None:
-    """A GpuRecoder on the current CUDA device with migration-sized buffers (at most 512 MiB of
-    slab and 128 MiB of pack buffer, beside whatever training holds), or None without GPU codecs."""
+def make_gpu_recoder(config: Any, index: int | None = None) -> GpuRecoder | None:
+    """A GpuRecoder on CUDA device `index` (made the calling thread's current one; None: the
+    current one) with migration-sized buffers (at most 512 MiB of slab and 128 MiB of pack
+    buffer, beside whatever training holds), or None without GPU codecs."""
     if not gpu_stack_available():
         return None
+    if index is not None:
+        torch.cuda.set_device(index)
     from tiered.config import Budgets
     from tiered.gpu import GpuDevice
     from tiered.staging import HostPool

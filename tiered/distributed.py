@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
+from tiered import threads
 from tiered.dcp_commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
                                post_failure, results_of, store)
 from tiered.dcp_storage import SafeLoadPlanner, StepReader, StepWriter
@@ -58,8 +59,7 @@ class DistributedSaver:
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._jobs: "queue.Queue[Any]" = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="tiered-commit", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._loop, name="tiered-commit")
 
     # --- save ------------------------------------------------------------------------------
     def save(self, step: int, state_dict: Any) -> SaveHandle:

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from tiered import threads
 from tiered.errors import TieredError
 from tiered.migrator import MigrationLedger
 
@@ -55,12 +56,15 @@ class MigratorProcess(MigrationLedger):
         self.pid: int | None = None
         """The child's process id (a new one after a restart)."""
         self._proc: subprocess.Popen | None = None
+        self._gpu = threads.current_gpu()
         self._start()
         self._watch = threading.Thread(target=self._supervise, name="tiered-migrator-watch", daemon=True)
         self._watch.start()
 
     def _start(self) -> None:
         env = dict(os.environ, TIERED_MIGRATOR_CONFIG=self._config_json)
+        if self._gpu is not None:  # decode on the engine's GPU, not on GPU 0 (another rank's)
+            env["TIERED_MIGRATOR_GPU"] = str(self._gpu)
         self._proc = subprocess.Popen([sys.executable, "-m", "tiered.migration_process"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, bufsize=1, env=env, start_new_session=True)
         self.pid = self._proc.pid
@@ -168,7 +172,9 @@ def _child() -> int:
             except (OSError, ValueError):
                 pass  # the engine is gone: the work goes on
 
-    migrator = BackgroundMigrator(config, TierCatalog(config).get, lambda: make_gpu_recoder(config),
+    gpu = os.environ.get("TIERED_MIGRATOR_GPU")
+    migrator = BackgroundMigrator(config, TierCatalog(config).get,
+                                  lambda: make_gpu_recoder(config, None if gpu is None else int(gpu)),
                                   on_event=lambda kind, step, detail: say({kind: step, "error": detail}))
     migrator.scanned()
     if not migrator.active:

@@ -27,6 +27,7 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from tiered import threads
 from tiered import checksum
 from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
@@ -375,8 +376,7 @@ class BackgroundMigrator(MigrationLedger):
         """Told ("resumed" | "done" | "failed", step, detail) as they happen (tiered.migration_process)."""
         # Training owns the machine: a quarter of the cores, at lower CPU priority (measured:
         # migrating with every core slowed a training step by half; docs/benchmarks.md).
-        self._pool = ThreadPoolExecutor(max_workers=background_threads(), initializer=lower_priority,
-                                        thread_name_prefix="tiered-migrate")
+        self._pool = threads.pool(background_threads(), "tiered-migrate", lower_priority)
         self._make_gpu = make_gpu
         self._queue: "queue.Queue[int | None]" = queue.Queue()
         self._failures: dict[int, int] = {}
@@ -384,8 +384,7 @@ class BackgroundMigrator(MigrationLedger):
         self._retry_at: dict[int, float] = {}
         """Steps waiting for a retry, with the monotonic time it is due (the migrator thread's own)."""
         self._migration_lock = MigrationLock(config.fast_tier.path)
-        self._thread = threading.Thread(target=self._run, name="tiered-migrator", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, name="tiered-migrator")
 
     def submit(self, step: int) -> None:
         if self._track(step):

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence, Union
 import numpy as np
 import torch
 
+from tiered import threads
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig, ZstdSettings
 from tiered.policy import CodecSample, choose_codec
@@ -237,9 +238,7 @@ class FastTierCodec:
         if gpu_index is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(gpu_index))
-        self._thread = threading.Thread(target=self._decide, args=(copies, ready, gpu_index, handle),
-                                        name="tiered-codec-policy", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._decide, copies, ready, gpu_index, handle, name="tiered-codec-policy")
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:

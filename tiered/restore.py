@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from tiered import threads
 from tiered import cpu, tree
 from tiered.catalog import TierCatalog, summarize
 from tiered.codecs import get_codec, get_codec_class
@@ -222,8 +223,7 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
             failed.append(exc)
 
-    worker = threading.Thread(target=run_cpu, name="tiered-restore-cpu", daemon=True)
-    worker.start()
+    worker = threads.start(run_cpu, name="tiered-restore-cpu")
     try:
         for dev, items in by_gpu.items():
             reader = device_reader(tier, step, index.data_file)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from tiered.budgets import auto_host_buffer, host_available, local_ranks
 from tiered.config import Config
+from tiered import threads
 from tiered.staging import PIN_BLOCK, HostPool
 from tiered.units import format_size
 
@@ -44,8 +44,8 @@ class Workers:
         if torch.cuda.is_available() and not self.gpu_ready:
             log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
                         "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
-        threads = config.zstd.threads or os.cpu_count() or 1
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec")
+        workers = config.zstd.threads or os.cpu_count() or 1
+        self.pool = threads.pool(workers, "tiered-codec")
         """CPU codec work (zstd encode and decode release the GIL)."""
         self.host = host_pool(config.budgets.host_buffer)
         """Host staging memory: pinned in the background, as saves need it, where CUDA exists."""
@@ -89,5 +89,7 @@ def host_pool(host_buffer: int | None) -> HostPool:
     if not cuda:
         return HostPool(host_buffer)
     cudart = torch.cuda.cudart()
-    return HostPool(host_buffer, pin=lambda addr, n: int(cudart.cudaHostRegister(addr, n, 0)) == 0,
+    # cudaHostRegisterPortable (1): pinned for every GPU of this process, not only the pinning
+    # thread's (the pinner runs on the engine's GPU: tiered.threads).
+    return HostPool(host_buffer, pin=lambda addr, n: int(cudart.cudaHostRegister(addr, n, 1)) == 0,
                     unpin=lambda addr: cudart.cudaHostUnregister(addr))

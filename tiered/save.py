@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tiered import threads
 from tiered import checksum, cpu, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
@@ -171,8 +172,7 @@ class SavePipeline:
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[_Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
-        self._writer = threading.Thread(target=self._writer_loop, name="tiered-writer", daemon=True)
-        self._writer.start()
+        self._writer = threads.start(self._writer_loop, name="tiered-writer")
 
     # --- overlapping saves with the next forward and backward ------------------------------------
     def guard(self, optimizer: Any) -> Guard:
@@ -180,8 +180,7 @@ class SavePipeline:
         waits until it has (tiered.overlap says what is guarded and what is cloned instead)."""
         self._guards.append(optimizer)
         if self._stager is None:
-            self._stager = threading.Thread(target=self._stager_loop, name="tiered-stager", daemon=True)
-            self._stager.start()
+            self._stager = threads.start(self._stager_loop, name="tiered-stager")
         return Guard(self._guards, optimizer, optimizer.register_step_pre_hook(lambda *_: self.order_updates()),
                      self.order_updates)
 
@@ -375,7 +374,7 @@ class SavePipeline:
         job.go.set()
         job.drop_tensors()  # read (GPU: ordered by record_stream) or copied: the state may go
         if events:
-            threading.Thread(target=_complete_after, args=(events, handle.staged), daemon=True).start()
+            threads.start(_complete_after, events, handle.staged, name="tiered-staged")
         else:
             _settle(handle.staged, job.step)
 

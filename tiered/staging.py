@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from tiered import threads
 from tiered.units import format_size
 
 log = logging.getLogger("tiered")
@@ -183,8 +184,7 @@ class HostPool:
                 return
             self._target = target
             if self._thread is None:
-                self._thread = threading.Thread(target=self._pin_loop, name="tiered-pinner", daemon=True)
-                self._thread.start()
+                self._thread = threads.start(self._pin_loop, name="tiered-pinner")
 
     def _pin_loop(self) -> None:
         assert self._pin is not None and self.buffer is not None

@@ -1,0 +1,91 @@
+"""The engine's background threads work on the GPU of the thread that made the engine (tiered.threads).
+
+A new thread's current CUDA device is GPU 0. Under torchrun on a node of several GPUs, a rank whose
+engine thread made a CUDA call outside a device scope opened a context on GPU 0: about 0.5 GB of
+another rank's nearly full GPU (GPU run 89).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from tiered import threads
+
+
+def test_start_runs_the_target_on_a_named_daemon_thread():
+    seen: list = []
+    t = threads.start(lambda a, b: seen.append((a, b, threading.current_thread().name)), 1, 2, name="tiered-x")
+    t.join(5)
+    assert t.daemon and seen == [(1, 2, "tiered-x")]
+
+
+def test_pool_threads_run_the_initializer_first():
+    marks: list = []
+    with threads.pool(2, "tiered-y", lambda: marks.append(threading.current_thread().name)) as pool:
+        names = set(pool.map(lambda _: threading.current_thread().name, range(8)))
+    assert names and set(marks) == names and all(n.startswith("tiered-y") for n in names)
+
+
+def test_without_cuda_in_use_threads_choose_no_device():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("this process already uses CUDA")
+    assert threads.current_gpu() is None
+
+
+_ON_GPU_1 = textwrap.dedent("""
+    import json, os, subprocess, sys, torch, tiered
+    torch.cuda.set_device(1)
+    root = sys.argv[1]
+    cfg = {"chunk_size": "1MiB", "tiers": [
+        {"name": "local", "kind": "local", "path": root + "/local", "codec": "ans"},
+        {"name": "shared", "kind": "posix", "path": root + "/shared", "codec": "zstd"}]}
+    g = torch.Generator(device="cuda:1").manual_seed(0)
+    state = {"w": torch.randn(16 << 20, device="cuda:1", generator=g), "n": torch.arange(10)}
+    with tiered.Engine.from_config(cfg) as engine:  # migration: process, the default
+        engine.guard(torch.optim.SGD([torch.zeros(1, device="cuda:1", requires_grad=True)]))
+        for step in (1, 2):
+            engine.save(step, state).wait()
+        engine.wait_migrated(timeout=300)  # ans -> zstd: decoded on a GPU by the migrator process
+        out = {"w": torch.zeros_like(state["w"]), "n": torch.zeros(10, dtype=torch.long)}
+        engine.restore(out, step=2)
+        assert torch.equal(out["w"], state["w"]) and torch.equal(out["n"], state["n"])
+        torch.cuda.synchronize(1)
+        pids = {os.getpid()}
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids |= {int(p) for p in f.read().split()}
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout
+    print(json.dumps({"pids": sorted(pids), "apps": apps, "gpu1": "GPU-" + str(torch.cuda.get_device_properties(1).uuid)}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi")
+def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0(tmp_path):
+    """Saves (guarded and strict), migration through the child process (ANS decoded on the GPU),
+    a restore: this process and its children hold contexts on GPU 1 only."""
+    import json
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", _ON_GPU_1, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    where = {}
+    for line in got["apps"].splitlines():
+        pid, uuid = (x.strip() for x in line.split(","))
+        if pid.isdigit() and int(pid) in got["pids"]:
+            where.setdefault(int(pid), set()).add(uuid)
+    if not where:
+        pytest.skip(f"nvidia-smi lists no process of this container's ids: {got['apps']!r}")
+    assert all(uuids == {got["gpu1"]} for uuids in where.values()), (where, got["gpu1"])

@@ -1,0 +1,56 @@
+"""Background threads that may call CUDA keep the GPU of the thread that started them.
+
+CUDA's current device belongs to a thread, and a new thread's is GPU 0, whatever the thread that
+started it chose with `torch.cuda.set_device`. Its first CUDA call outside a device scope (an
+event's synchronize, a host-memory registration, a library that asks for the current device)
+then opens a context on GPU 0. Under torchrun on a node of several GPUs, every rank but the
+first so took about 0.5 GB of rank 0's GPU, which training had nearly filled (GPU run 89: a
+restore at 2 ranks ran out of memory beside a 522 MiB context of the other rank). Every thread
+and thread pool of the engine that may touch CUDA is made here.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+
+def current_gpu() -> int | None:
+    """The calling thread's CUDA device, or None where this process uses no CUDA (yet)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+def on_gpu(index: int | None, then: Callable[[], Any] | None = None) -> Callable[[], None]:
+    """A thread's first call: make GPU `index` current (nothing for None), then `then()`."""
+
+    def init() -> None:
+        if index is not None:
+            torch.cuda.set_device(index)
+        if then is not None:
+            then()
+
+    return init
+
+
+def start(target: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
+    """A started daemon thread running `target(*args)` on the calling thread's GPU."""
+    init = on_gpu(current_gpu())
+
+    def run() -> None:
+        init()
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def pool(workers: int | None, prefix: str, initializer: Callable[[], Any] | None = None) -> ThreadPoolExecutor:
+    """A thread pool whose threads run on the calling thread's GPU (then call `initializer`)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix,
+                              initializer=on_gpu(current_gpu(), initializer))
