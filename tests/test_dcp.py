@@ -130,3 +130,36 @@ def test_tampered_metadata_is_caught_by_the_manifest(engine, caplog):
     path.write_bytes(bytes(raw))
     raises_dcp("does not match the manifest", caplog, lambda: dcp.load(
         zeros(small_state()), storage_reader=TieredStorageReader(engine, 8), planner=SafeLoadPlanner()))
+
+
+def test_load_decodes_whole_tensors_in_place_and_the_rest_through_bounded_buffers(tier_config, device, monkeypatch):
+    """A rank's state must not be decoded into a second copy of itself (GPU run 89: a 24 GB state
+    per rank ran out of GPU memory so): whole tensors with a contiguous destination of their dtype
+    are decoded into it; the others into buffers of at most SPAN_BYTES per decode call."""
+    import tiered.dcp_storage as storage
+    from tiered.restore import Restorer
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(128, 96, generator=g).to(device) for i in range(6)}
+    monkeypatch.setattr(storage, "SPAN_BYTES", 2 * 128 * 96 * 4, raising=False)  # two tensors' worth
+    calls: list[tuple[int, int]] = []  # per decode call: (bytes decoded in place, bytes into own buffers)
+    decode = Restorer.decode
+
+    def spy(self, step, index, dests, tier, repair):
+        ours = {t.untyped_storage().data_ptr() for t in out.values()}
+        own = [d.numel() for d in dests.values() if d.untyped_storage().data_ptr() not in ours]
+        calls.append((sum(d.numel() for d in dests.values()) - sum(own), sum(own)))
+        return decode(self, step, index, dests, tier, repair)
+
+    monkeypatch.setattr(Restorer, "decode", spy)
+    with Engine.from_config(tier_config("zstd")) as engine:
+        dcp.save(state, storage_writer=TieredStorageWriter(engine, 1))
+        # t0..t2: contiguous destinations; t3..t5: transposed (non-contiguous) views
+        out = {k: torch.zeros_like(v) if i < 3 else torch.zeros(96, 128, device=device).t()
+               for i, (k, v) in enumerate(state.items())}
+        dcp.load(out, storage_reader=TieredStorageReader(engine, 1))
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
+    assert sum(p for p, _ in calls) == 3 * 128 * 96 * 4  # the contiguous three, in place
+    assert sum(o for _, o in calls) == 3 * 128 * 96 * 4 and all(o <= storage.SPAN_BYTES for _, o in calls)
+    assert len(calls) >= 2

@@ -22,7 +22,6 @@ import dataclasses
 import io
 import logging
 import os
-import threading
 import uuid
 from typing import Any, Sequence
 
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from tiered import threads
 from tiered.dcp_commit import (StoredItem, adopt_in_background, commit_step, metadata_from_json,
                                multi_rank, post_commit, post_failure, results_of)
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
@@ -123,9 +123,7 @@ class StepWriter(StorageWriter):
         if not self.is_coordinator and isinstance(self.save_id, str) and multi_rank():
             # dcp.save gives no rank but the coordinator a hook after the commit: a thread waits
             # for the coordinator's post and commits the step on this node's tier as well.
-            t = threading.Thread(target=adopt_in_background, args=(self.saves, self.step, self.save_id), daemon=True,
-                                 name="tiered-adopt")
-            t.start()
+            t = threads.start(adopt_in_background, self.saves, self.step, self.save_id, name="tiered-adopt")
             self.saves.track(t)  # Engine.wait() and close() join it
         if handle is None:
             fut.set_result([])
@@ -368,76 +366,108 @@ class _SubRepair:
         return self.repair(orig, a + j, why)
 
 
+SPAN_BYTES = 256 << 20
+"""At most this many bytes decoded at a time into buffers of their own, for the items that cannot be
+decoded in place (parts of a stored tensor, another dtype or layout): a rank's whole state, on a
+GPU that training has nearly filled, must not be decoded into a second copy of itself (GPU run 89:
+a 24 GB state per rank ran out of memory so)."""
+
+
 def _read_rank(restorer: Any, step: int, tier: Any, slower: list[Any], index: RankIndex,
                items: list[tuple[ReadItem, StoredItem]], planner: LoadPlanner) -> None:
     """Decode the chunks of `index`'s tensors that `items` need, then copy each item's box out.
-    A chunk failing its checksum is read from the `slower` tiers instead."""
-    cs = index.chunk_size
+    An item that is a whole stored tensor, whose destination is contiguous and of its dtype, is
+    decoded straight into the destination; the others through buffers of at most `SPAN_BYTES` at
+    a time. A chunk failing its checksum is read from the `slower` tiers instead."""
     by_tensor: dict[int, list[ReadItem]] = {}
     for item, loc in items:
         if not 0 <= loc.tensor < len(index.tensors):
             raise FormatError(f"{tier.describe(step, index.data_file)}: no tensor {loc.tensor} for "
                               f"{item_name(item.storage_index)}")
         by_tensor.setdefault(loc.tensor, []).append(item)
-    records: list[TensorRecord] = []
-    dests: dict[int, torch.Tensor] = {}
-    parts: dict[int, tuple[TensorRecord, int]] = {}
-    spans: dict[int, tuple[torch.Tensor, int]] = {}  # tensor -> (span buffer, first byte it holds)
-    for t, its in by_tensor.items():
-        rec = index.tensors[t]
-        if not rec.chunks:
-            continue
+    repair = ChunkRepair(step, index.rank, tier.name, slower, restorer.config.zstd, index.chunk_size)
+    try:
+        batch: list[_Wanted] = []
+        staged = 0
+        for t, its in by_tensor.items():
+            want = _Wanted(index.tensors[t], its, planner, index.chunk_size)
+            if batch and staged + want.staged > SPAN_BYTES:
+                _decode_batch(restorer, step, tier, index, batch, repair, planner)
+                batch, staged = [], 0
+            batch.append(want)
+            staged += want.staged
+        if batch:
+            _decode_batch(restorer, step, tier, index, batch, repair, planner)
+    finally:
+        repair.close()
+
+
+class _Wanted:
+    """What one stored tensor's items need: the run of its chunks [first, end) that holds them, and
+    where that run is decoded (`direct`: the one item's own destination)."""
+
+    def __init__(self, rec: TensorRecord, items: list[ReadItem], planner: LoadPlanner, chunk_size: int):
+        self.rec, self.items = rec, items
+        self.dests = [None if it.type == LoadItemType.BYTE_IO else planner.resolve_tensor(it).detach() for it in items]
         mark = np.zeros(len(rec.chunks), dtype=bool)
-        for item in its:
+        for item in items:
             if item.type == LoadItemType.BYTE_IO:
                 mark[:] = True
             else:
-                box_chunks(rec.shape, rec.torch_dtype.itemsize, item.storage_offsets, item.lengths, cs, mark)
-        ids = np.flatnonzero(mark)
-        if not len(ids):
-            continue
-        first, end = int(ids[0]), int(ids[-1]) + 1
-        device = _target_device(planner, its)
-        span = torch.empty(sum(c.raw_size for c in rec.chunks[first:end]), dtype=torch.uint8, device=device)
-        spans[t] = (span, first * cs)
-        for a, b in _groups(ids):
+                box_chunks(rec.shape, rec.torch_dtype.itemsize, item.storage_offsets, item.lengths, chunk_size, mark)
+        self.ids = np.flatnonzero(mark)
+        self.first = int(self.ids[0]) if len(self.ids) else 0
+        self.nbytes = sum(c.raw_size for c in rec.chunks[self.first:int(self.ids[-1]) + 1]) if len(self.ids) else 0
+        dst = self.dests[0]
+        whole = (len(items) == 1 and dst is not None and not any(items[0].storage_offsets)
+                 and list(items[0].lengths) == list(rec.shape))
+        self.direct = (whole and dst.dtype == rec.torch_dtype and tuple(dst.shape) == tuple(rec.shape)
+                       and dst.is_contiguous() and dst.numel() * dst.element_size() == self.nbytes)
+        self.staged = 0 if self.direct else self.nbytes
+        """Bytes of a buffer of its own that decoding it takes."""
+
+    def span(self) -> torch.Tensor:
+        """Where the chunk run is decoded: the destination itself, or a new buffer on its device."""
+        if self.direct:
+            return self.dests[0].reshape(-1).view(torch.uint8)
+        device = next((d.device for d in self.dests if d is not None), torch.device("cpu"))
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+
+def _decode_batch(restorer: Any, step: int, tier: Any, index: RankIndex, batch: list[_Wanted], repair: ChunkRepair,
+                  planner: LoadPlanner) -> None:
+    """Decode the chunk runs of `batch` (one decode call), then copy each item out and commit it."""
+    cs = index.chunk_size
+    records: list[TensorRecord] = []
+    dests: dict[int, torch.Tensor] = {}
+    parts: dict[int, tuple[TensorRecord, int]] = {}
+    spans: list[torch.Tensor] = []
+    for want in batch:
+        rec = want.rec
+        span = want.span() if len(want.ids) else torch.empty(0, dtype=torch.uint8)
+        spans.append(span)
+        for a, b in _groups(want.ids):
             sub = TensorRecord(index=len(records), name=rec.name, dtype="uint8",
                                shape=(sum(c.raw_size for c in rec.chunks[a:b]),), device=rec.device,
                                is_numpy=False, codec=rec.codec, chunks=rec.chunks[a:b])
             records.append(sub)
             parts[id(sub)] = (rec, a)
-            start = (a - first) * cs
+            start = (a - want.first) * cs
             dests[sub.index] = span[start:start + sub.shape[0]]
     if records:
         sub_index = RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=index.data_bytes, chunk_size=cs,
                               skeleton=None, tensors=tuple(records), io=index.io)
-        repair = ChunkRepair(step, index.rank, tier.name, slower, restorer.config.zstd, cs)
-        try:
-            restorer.decode(step, sub_index, dests, tier, _SubRepair(repair, parts) if repair else None)
-        finally:
-            repair.close()
-    for t, its in by_tensor.items():
-        rec = index.tensors[t]
-        span, base = spans.get(t, (torch.empty(0, dtype=torch.uint8), 0))
-        for item in its:
+        restorer.decode(step, sub_index, dests, tier, _SubRepair(repair, parts) if repair else None)
+    for want, span in zip(batch, spans):
+        rec = want.rec
+        for item, dst in zip(want.items, want.dests):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(span.cpu().numpy().tobytes()))
                 continue
-            typed = span.view(rec.torch_dtype) if span.numel() else torch.empty(0, dtype=rec.torch_dtype)
-            strides = _strides(rec.shape)
-            offset = sum(o * s for o, s in zip(item.storage_offsets, strides)) - base // rec.torch_dtype.itemsize
-            dst = planner.resolve_tensor(item).detach()
-            if dst.numel():
-                src = torch.as_strided(typed, tuple(item.lengths), tuple(strides), offset)
-                dst.copy_(src)
+            if not want.direct and dst.numel():
+                strides = _strides(rec.shape)
+                offset = sum(o * s for o, s in zip(item.storage_offsets, strides))
+                offset -= want.first * cs // rec.torch_dtype.itemsize  # the span starts at chunk `first`
+                dst.copy_(torch.as_strided(span.view(rec.torch_dtype), tuple(item.lengths), tuple(strides), offset))
             planner.commit_tensor(item, dst)
 
-
-
-
-def _target_device(planner: LoadPlanner, items: list[ReadItem]) -> torch.device:
-    """Where the span is decoded: the device of the first tensor item's destination."""
-    for item in items:
-        if item.type != LoadItemType.BYTE_IO:
-            return planner.resolve_tensor(item).device
-    return torch.device("cpu")
