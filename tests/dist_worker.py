@@ -186,9 +186,43 @@ def save_fails_on_rank_1(engine, state, step: int) -> None:
     engine.save(step + 1, state).wait()
 
 
+def save_while_changing(engine, mesh, step: int) -> None:
+    """Saves that reuse the last plan (tiered.dcp_reuse) save each save's values; a state that
+    changes structure is planned again by DCP. Every step is restored and checked."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planned: list[int] = []
+    plan = DefaultSavePlanner.create_local_plan
+    DefaultSavePlanner.create_local_plan = lambda self: (planned.append(1), plan(self))[1]
+    state = build(mesh, zeros=False)
+    engine.save(step, state).wait()                       # DCP plans
+    state["extra"]["epoch"] = 8
+    for t in state["tensors"].values():
+        (t.to_local() if isinstance(t, DTensor) else t).add_(1)
+    engine.save(step + 1, state).wait()                   # the same structure: the plan is reused
+    state["tensors"]["new"] = torch.arange(10.0)
+    engine.save(step + 2, state).wait()                   # a tensor more: planned again
+    engine.save(step + 3, state).wait()                   # reused again
+    DefaultSavePlanner.create_local_plan = plan
+    if len(planned) != 2:
+        raise SystemExit(f"rank {dist.get_rank()}: DCP planned {len(planned)} of 4 saves, expected 2")
+    for s, epoch, plus, new in ((step, 7, 0, False), (step + 1, 8, 1, False), (step + 3, 8, 1, True)):
+        out = build(mesh, zeros=True)
+        if new:
+            out["tensors"]["new"] = torch.zeros(10)
+        engine.restore(out, s)
+        for name, want in full_tensors().items():
+            got = out["tensors"][name]
+            got = got.full_tensor() if isinstance(got, DTensor) else got
+            if not torch.equal(got, want + plus):
+                raise SystemExit(f"rank {dist.get_rank()}: step {s}: {name} differs after load")
+        if out["extra"]["epoch"] != epoch or (new and not torch.equal(out["tensors"]["new"], torch.arange(10.0))):
+            raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "save-fail"])
+    ap.add_argument("mode", choices=["save", "load", "save-fail", "save-change"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
@@ -211,6 +245,8 @@ def main() -> None:
         state = fsdp_state(args.mode == "load", args.width, args.layers) if cuda else build(mesh, args.mode == "load")
         if args.mode == "save-fail":
             save_fails_on_rank_1(engine, state, args.step)
+        elif args.mode == "save-change":
+            save_while_changing(engine, mesh, args.step)
         elif args.mode == "save":
             if args.how == "engine":
                 handle = engine.save(args.step, state)

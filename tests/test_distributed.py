@@ -94,6 +94,14 @@ def test_load_at_any_world_size_is_bit_exact(saved, nproc, how):
     torchrun(nproc, "load", "--config", cfg, "--step", "102" if how == "engine" else "110", "--how", how)
 
 
+def test_warm_saves_reuse_the_plan_until_the_state_changes_structure(tmp_path):
+    """DCP plans the first save and the first after a tensor is added; the others reuse the plan
+    and still save each save's values (tensors and plain values), restored bit-exact."""
+    cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
+                                            "codec": "zstd"}])
+    torchrun(2, "save-change", "--config", cfg, "--step", "200")
+
+
 def test_dcp_async_save_on_tiered_storage(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}])
     torchrun(4, "save", "--config", cfg, "--step", "5", "--how", "async")

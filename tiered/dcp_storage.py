@@ -23,14 +23,14 @@ import io
 import logging
 import os
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
-                                                  SavePlanner, WriteItemType)
+                                                  SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -119,7 +119,7 @@ class StepWriter(StorageWriter):
         their WriteResults that completes when the rank's files are durable."""
         fut: Future = Future()
         self.save_id = plan.storage_data
-        handle = self.stage_items(plan, planner)
+        handle = self.stage_items(plan, lambda i, item: planner.resolve_data(item))
         if not self.is_coordinator and isinstance(self.save_id, str) and multi_rank():
             # dcp.save gives no rank but the coordinator a hook after the commit: a thread waits
             # for the coordinator's post and commits the step on this node's tier as well.
@@ -139,13 +139,15 @@ class StepWriter(StorageWriter):
         handle.persisted.add_done_callback(done)
         return fut
 
-    def stage_items(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        """Hand this rank's items to the save pipeline; return its SaveHandle (None: nothing to write)."""
+    def stage_items(self, plan: SavePlan, resolve: Callable[[int, WriteItem], Any]) -> Any:
+        """Hand this rank's items to the save pipeline; return its SaveHandle (None: nothing to
+        write). `resolve(i, item)` gives item i's data (a planner's `resolve_data`, or a reused
+        plan's: tiered.dcp_reuse)."""
         if not plan.items:
             return None
         state: dict[str, torch.Tensor] = {}
-        for item in plan.items:
-            data = planner.resolve_data(item)
+        for i, item in enumerate(plan.items):
+            data = resolve(i, item)
             if item.type == WriteItemType.BYTE_IO:
                 data = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if data.getbuffer().nbytes \
                     else torch.empty(0, dtype=torch.uint8)

@@ -3,7 +3,8 @@
 Save, on every rank (`DistributedSaver.save`):
 
     DCP's DefaultSavePlanner plans (gather the local plans to the coordinator, which removes
-    duplicates of replicated tensors, scatter the final plans)    -- collectives on the default group
+    duplicates of replicated tensors, scatter the final plans)    -- collectives on the default group;
+    a state of the last save's structure reuses its plan instead (tiered.dcp_reuse; one all-reduce)
     -> StepWriter.stage_items (tiered.dcp_storage): this rank's items are staged as a single-process save stages
        (GPU tensors compressed on their GPU); save() returns here
     background, in save order (one thread per engine):
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from tiered import threads
 from tiered.dcp_commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
                                post_failure, results_of, store)
+from tiered.dcp_reuse import PlanReuse
 from tiered.dcp_storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest, RankEntry
@@ -54,8 +56,8 @@ class DistributedSaver:
         self.saves = saves
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         saves.bind_rank(self.rank, self.world)
-        self._cached: tuple[Any, Any, Any] | None = None
-        """(this rank's local plan items, its final plan, the coordinator's metadata) of the last save."""
+        self._reuse = PlanReuse()
+        """The last save's plan, reused while the state keeps its structure."""
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._jobs: "queue.Queue[Any]" = queue.Queue()
@@ -67,33 +69,36 @@ class DistributedSaver:
         coordinator = self.rank == 0
         writer = StepWriter(self.saves, step)
         writer.set_up_storage_writer(coordinator, rank=self.rank)
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
-        local = planner.create_local_plan()
-        metadata = None
-        # Every save of a training run has the same structure: when no rank's local plan changed
-        # (one all-reduce of a flag tells), the last global plan is reused, without gathering and
-        # scattering the plans again.
-        same = self._cached is not None and self._cached[0] == local.items
-        if self._all(same):
-            final = planner.finish_plan(self._cached[1])
+        # Every save of a training run has the same structure: when no rank's state changed
+        # structure (tiered.dcp_reuse; one all-reduce of a flag tells), the last plan is reused,
+        # without DCP planning, gathering and scattering it again.
+        sig, leaves = self._reuse.walk(state_dict)
+        if self._all(self._reuse.matches(sig)):
+            final, metadata = self._reuse.plan()
             if coordinator:
-                metadata = dataclasses.replace(self._cached[2], storage_meta=writer.storage_meta())
+                metadata = dataclasses.replace(metadata, storage_meta=writer.storage_meta())
+            resolve = self._reuse.resolver(leaves)
         else:
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
+                                   is_coordinator=coordinator)
+            local = planner.create_local_plan()
             gathered = [None] * self.world if coordinator else None
             dist.gather_object(local, gathered, dst=0)
             scattered = [None] * self.world if coordinator else None
+            metadata = None
             if coordinator:
                 plans, metadata = planner.create_global_plan(gathered)
                 scattered = writer.prepare_global_plan(plans)
             out = [None]
             dist.scatter_object_list(out, scattered, src=0)
             final = planner.finish_plan(out[0])
-            self._cached = (local.items, final, metadata)
+            self._reuse.remember(sig, leaves, planner, final, metadata)
+            resolve = lambda i, item: planner.resolve_data(item)  # noqa: E731
         plan_ms = 1e3 * (time.perf_counter() - t0)
-        save_id = f"{final.storage_data}/{step}"  # the cached plan carries the id of the save that made it
+        save_id = f"{final.storage_data}/{step}"  # a reused plan carries the id of the save that made it
         try:
-            rank_handle = writer.stage_items(final, planner)
+            rank_handle = writer.stage_items(final, resolve)
         except BaseException as exc:
             # The other ranks go on; tell the coordinator at once rather than let it wait.
             store().set(_rank_key(save_id, self.rank), json.dumps({"error": f"rank {self.rank}: {exc!r}"}))

@@ -1,0 +1,135 @@
+"""Warm distributed saves skip DCP's planning: a state of the same structure reuses the last plan.
+
+DCP's DefaultSavePlanner flattens the state and builds a write item for every tensor on every
+save: 112-120 ms at 2 ranks for a state of 8,320 tensors on this repository's CPU machine, 116 ms
+on an H200 for 7,880 (GPU run 89), growing with the tensor count. Every save of a training run
+has the same structure, so `PlanReuse` walks the state once per save the way DCP's flatten does
+(`torch.distributed.checkpoint`'s traversal: mappings entered, lists entered where they hold
+tensors, mappings or such lists, anything else a leaf), recording each leaf's path and what DCP's
+write items depend on: type, shape, dtype, device, requires_grad, pinned memory, and a DTensor's
+placements, mesh and local shape. Where that signature equals the last save's on every rank (the
+caller's one all-reduce), the last final plan and metadata serve again, and each item's data is
+the leaf at the path DCP's flatten gave its name: the tensor itself, a DTensor's local tensor, or
+a value serialized as DCP's planner does. A state DCP would plan in a way this cannot follow
+(ShardedTensor, objects that make their own write items) is planned by DCP every time.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = ()  # type: ignore[assignment,misc]
+
+_TENSOR, _LOCAL, _BYTES = 0, 1, 2
+
+
+class PlanReuse:
+    """The last distributed save's plan, and when the next one may reuse it."""
+
+    def __init__(self) -> None:
+        self._sig: list | None = None
+        self._plan: SavePlan | None = None
+        self._metadata: Any = None
+        self._sources: list[tuple[int, int]] = []
+
+    @staticmethod
+    def walk(state: Any) -> tuple[list, list]:
+        """(signature, leaves) of `state`, in DCP's traversal order."""
+        sig: list = []
+        leaves: list = []
+        for key, value in state.items():
+            _walk(value, (str(key),), sig, leaves)
+        return sig, leaves
+
+    def matches(self, sig: list) -> bool:
+        """The last save's plan fits a state of signature `sig` (this rank's view)."""
+        return self._sig is not None and self._sig == sig
+
+    def plan(self) -> tuple[SavePlan, Any]:
+        """The last save's final plan for this rank and its metadata (the coordinator's; else None)."""
+        assert self._plan is not None
+        return self._plan, self._metadata
+
+    def resolver(self, leaves: list) -> Callable[[int, WriteItem], Any]:
+        """`resolve(i, item)`: the data of the plan's item i, from this save's `leaves`."""
+        sources = self._sources
+
+        def resolve(i: int, item: WriteItem) -> Any:
+            pos, kind = sources[i]
+            obj = leaves[pos]
+            if kind == _TENSOR:
+                return obj
+            if kind == _LOCAL:
+                return obj.to_local()
+            data = io.BytesIO()  # as DefaultSavePlanner.transform_object serializes a value
+            torch.save(obj, data)
+            return data
+
+        return resolve
+
+    def remember(self, sig: list, leaves: list, planner: SavePlanner, plan: SavePlan, metadata: Any) -> None:
+        """Keep a save DCP planned, for the next ones to reuse where each of its items can be
+        found again by its path (otherwise nothing is kept, and DCP plans the next save too)."""
+        self._sig = None
+        mappings = getattr(planner, "mappings", None)
+        if not isinstance(mappings, dict) or any(s[0] == "x" for s in sig):
+            return
+        where = {s[1]: i for i, s in enumerate(sig)}
+        sources = []
+        for item in plan.items:
+            pos = where.get(mappings.get(item.index.fqn))
+            if pos is None:
+                return
+            obj = leaves[pos]
+            if item.type == WriteItemType.BYTE_IO:
+                sources.append((pos, _BYTES))
+            elif isinstance(obj, DTensor):
+                sources.append((pos, _LOCAL))
+            elif type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+                sources.append((pos, _TENSOR))
+            else:
+                return
+        self._sig, self._plan, self._metadata, self._sources = sig, plan, metadata, sources
+
+
+def _walk(value: Any, path: tuple, sig: list, leaves: list) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _walk(v, path + (str(k),), sig, leaves)
+    elif type(value) is list and not _terminal(value):
+        for i, v in enumerate(value):
+            _walk(v, path + (i,), sig, leaves)
+    else:
+        sig.append(_leaf_sig(value, path))
+        leaves.append(value)
+
+
+def _terminal(value: list) -> bool:
+    """DCP's rule: a list is a leaf unless it holds a tensor, a mapping, or a list that is not one."""
+    for entry in value:
+        if isinstance(entry, (torch.Tensor, Mapping)) or (isinstance(entry, list) and not _terminal(entry)):
+            return False
+    return True
+
+
+def _leaf_sig(value: Any, path: tuple) -> tuple:
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        return ("d", path, value.shape, value.dtype, value.device, value.requires_grad, tuple(value.placements),
+                id(value.device_mesh), local.shape)
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+            return ("x", path)  # ShardedTensor and other subclasses: DCP plans them its own way
+        return ("t", path, value.shape, value.dtype, value.device, value.requires_grad,
+                not value.is_cuda and value.is_pinned())
+    if hasattr(value, "__create_write_items__"):
+        return ("x", path)
+    return ("o", path)
