@@ -1,7 +1,8 @@
 """Migration throughput on this machine: one 256 MB step copied local -> shared (a POSIX tier),
-recompressed to zstd (source codec none) or kept (source zstd), as 8 or 2,000 tensors, with the
-CPU threads a background migrator uses (or as many as given), beside the zstd encode ceiling of
-those threads on the same data.
+recompressed to zstd (source codec none, or ans from GPU tensors where a GPU and nvCOMP are
+present: decoded on the GPU) or kept (source zstd), as 8 or 2,000 tensors, with the CPU threads a
+background migrator uses (or as many as given), beside the zstd encode ceiling of those threads on
+the same data.
 
     python3 scripts/migrate_probe.py [THREADS] [--dir D]
 """
@@ -19,7 +20,8 @@ import tiered  # noqa: E402
 from tiered.codecs import get_codec  # noqa: E402
 from tiered.config import ZstdSettings  # noqa: E402
 from tiered.format import CodecSpec  # noqa: E402
-from tiered.migrator import background_threads, migrate_step  # noqa: E402
+from tiered.migrator import background_threads, make_gpu_recoder, migrate_step  # noqa: E402
+from tiered.runtime import gpu_stack_available  # noqa: E402
 
 root = sys.argv[sys.argv.index("--dir") + 1] if "--dir" in sys.argv else "./.tiered/migrate-probe"
 
@@ -33,6 +35,8 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> float:
     g = torch.Generator().manual_seed(0)
     per = (total_mb << 20) // 4 // ntensors
     state = {f"t{i}": (torch.randn(per, generator=g) * 0.02) for i in range(ntensors)}
+    if src_codec == "ans":
+        state = {k: v.cuda() for k, v in state.items()}
     with tiered.Engine.from_config(cfg) as e:
         e.save(1, state).wait()
         cat = e.catalog
@@ -40,7 +44,8 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> float:
         os.sync()
         with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
-            migrate_step(1, cat.get("local"), cat.get("shared"), codec="zstd", settings=ZstdSettings(), pool=pool)
+            migrate_step(1, cat.get("local"), cat.get("shared"), codec="zstd", settings=ZstdSettings(), pool=pool,
+                         gpu=gpu)
             dt = time.perf_counter() - t0
     return raw / dt / 1e9
 
@@ -53,6 +58,7 @@ chunks = [memoryview(x[i:i + (1 << 20)]) for i in range(0, len(x), 1 << 20)]
 with ThreadPoolExecutor(threads) as pool:
     t0 = time.perf_counter(); list(pool.map(codec.encode_chunk, chunks)); enc = len(x) / (time.perf_counter() - t0) / 1e9
 print(f"threads {threads}: zstd encode ceiling {enc:.3f} GB/s")
-for src, n in (("none", 8), ("none", 2000), ("zstd", 8), ("zstd", 2000)):
+gpu = make_gpu_recoder(tiered.config.load_config(None)) if gpu_stack_available() else None
+for src, n in (("none", 8), ("none", 2000), ("zstd", 8), ("zstd", 2000)) + ((("ans", 8), ("ans", 2000)) if gpu else ()):
     print(f"  {src:>4} -> zstd, {n} tensors, 256 MB: {run(src, n, 256, threads):.3f} GB/s")
 shutil.rmtree(root, ignore_errors=True)

@@ -10,6 +10,7 @@ codec sampling (`GpuRecoder`, `make_gpu_recoder`).
 
 from __future__ import annotations
 
+import mmap
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -20,7 +21,8 @@ import torch
 
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.cpu import WindowBuffers, chunk_windows, decode_into, pad_extent, read_chunk, stored_extent, verified
+from tiered.checksum import wsum64
+from tiered.cpu import WindowBuffers, chunk_windows, decode_into, read_chunk, verified
 from tiered.errors import CodecUnavailableError
 from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, RankIndex, TensorRecord
 from tiered.runtime import gpu_stack_available
@@ -50,8 +52,8 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
         i = 0
         while i < len(ordered):
             if _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
-                pieces = (([(ordered[i], stored, size, crc)], padded, None)
-                          for stored, (padded, size, crc) in tensor_chunks(step, src, index, ordered[i], specs[i],
+                pieces = (([(ordered[i], stored, size, crc)], data, None)
+                          for stored, (data, size, crc) in tensor_chunks(step, src, index, ordered[i], specs[i],
                                                                            reader, settings, pool, gpu, progress))
                 k = i + 1
             else:  # a run of tensors through the CPU pool, in windows that cross tensor boundaries
@@ -59,11 +61,12 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
                 while k < len(ordered) and not _needs_gpu(ordered[k], specs[k]):
                     k += 1
                 pieces = _cpu_chunks(ordered[i:k], specs[i:k], reader, settings, pool, progress, buffers)
-            for entries, data, release in pieces:  # data: the padded extents of `entries`, end to end
-                out.add(end, data, done=release)
+            for entries, data, release in pieces:  # data: the stored bytes of `entries`, end to end
+                start = end
                 for rec, stored, size, crc in entries:
                     chunks[rec.index].append(ChunkRecord(end, size, stored.raw_size, crc))
                     end += chunks[rec.index][-1].extent
+                out.add(start, data, done=release, pad=end - start - len(data))
             i = k
         out.finish()
         data_bytes = writer.close()
@@ -89,8 +92,9 @@ def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:
 
 def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, settings: ZstdSettings,
                 pool: ThreadPoolExecutor, progress: Any, buffers: WindowBuffers):
-    """Yield ([(tensor record, source chunk record, stored size, checksum)], their padded extents end
-    to end, what to call once those are written or None) for every chunk of `recs`, in order:
+    """Yield ([(tensor record, source chunk record, stored size, checksum)], their bytes: the padded
+    extents end to end, or one chunk's stored bytes unpadded; what to call once those are written,
+    or None: the bytes may be reused once `_Batches.add` returns) for every chunk of `recs`, in order:
     read in windows that cross tensor boundaries, read ahead into `buffers`
     (`tiered.cpu.chunk_windows`); each window's chunks verified and, where the codec changes,
     decoded and re-encoded on the pool. A window whose chunks are all kept goes out as the bytes
@@ -109,10 +113,10 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         rec, j = ref
         stored = verified(rec, j, data, base, reader.path)
         if spec_of[rec.index] == rec.codec:
-            return pad_extent(stored), len(stored), rec.chunks[j].checksum
+            return stored, len(stored), rec.chunks[j].checksum  # copied by _Batches.add before `data` is reused
         raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
         decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
-        return stored_extent(get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw)))
+        return _encoded(get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw)))
 
     refs = [(rec, j) for rec in recs for j in range(len(rec.chunks))]
     for win, data, base in chunk_windows(refs, reader, buffers):
@@ -125,11 +129,16 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
             yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
                    lambda data=data: buffers.give(data))  # once written
         else:
-            for (rec, j), (padded, size, crc) in zip(win, pool.map(lambda ref: one(ref, data, base), win)):
-                yield [(rec, rec.chunks[j], size, crc)], padded, None
+            for (rec, j), (stored, size, crc) in zip(win, pool.map(lambda ref: one(ref, data, base), win)):
+                yield [(rec, rec.chunks[j], size, crc)], stored, None
             buffers.give(data)
         if progress:
             progress(sum(rec.chunks[j].raw_size for rec, j in win))
+
+
+def _encoded(stored: bytes) -> tuple[bytes, int, int]:
+    """(stored bytes, their size, their checksum) of a freshly encoded chunk (padded by `_Batches`)."""
+    return stored, len(stored), wsum64(stored)
 
 
 _ZEROS = bytes(ALIGNMENT)
@@ -143,41 +152,64 @@ WRITE_BATCH = 16 << 20
 """Bytes of consecutive chunks gathered into one write of the target's data file."""
 
 
+def _aligned(size: int) -> np.ndarray:
+    """`size` bytes of page-aligned memory (an anonymous mapping)."""
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+
+
 WRITE_BEHIND_BYTES = 128 << 20
 """Bytes handed to the target's writer and not yet written (at least one write): writing a window
 overlaps verifying the next."""
 
 
 class _Batches:
-    """The target's writes, in order, behind on a thread of their own. Small consecutive extents
-    (single chunks) are gathered into one write of up to WRITE_BATCH bytes (a chunk at a time is
-    one system call, or one S3 buffer append, per MiB); an extent of a MiB or more (a window of
-    kept chunks) is written as it is, without a gathering copy. Call `finish` (or `abort`, after
-    a failure) before closing the writer."""
+    """The target's writes, in order, behind on a thread of their own. Single chunks are copied
+    at once (numpy copies, without the GIL) into page-aligned gather buffers of WRITE_BATCH bytes,
+    reused once written, and written as one request each (a chunk at a time would be one system
+    call, or one S3 buffer append, per MiB; O_DIRECT needs no bounce copy of an aligned buffer);
+    an extent handed over with `done` (a window of kept chunks) is written as it is. Call
+    `finish` (or `abort`, after a failure) before closing the writer."""
 
     def __init__(self, writer: Any):
-        self.writer, self.parts, self.start, self.size = writer, [], 0, 0
+        self.writer = writer
+        self._buf: np.ndarray | None = None
+        """The gather buffer being filled: bytes [start, start + size) of the file."""
+        self.start, self.size = 0, 0
+        self._free: list[np.ndarray] = []
         self._io = ThreadPoolExecutor(1, thread_name_prefix="tiered-write")
         self._pending: deque[tuple[Future, int]] = deque()
         self._pending_bytes = 0
 
-    def add(self, offset: int, data: Any, done: Callable[[], None] | None = None) -> None:
-        """Write `data` at `offset`; with `done`, as it is (not gathered), and `done()` once written."""
-        if self.parts and (offset != self.start + self.size or self.size + len(data) > WRITE_BATCH):
+    def add(self, offset: int, data: Any, done: Callable[[], None] | None = None, pad: int = 0) -> None:
+        """Write `data`, then `pad` zero bytes, at `offset`. With `done` (and no `pad`), `data`
+        is written as it is and `done()` called once it is; otherwise it is copied before this
+        returns, and the caller may reuse its memory."""
+        n = len(data) + pad
+        if self._buf is not None and (offset != self.start + self.size or self.size + n > len(self._buf)):
             self.flush()
-        if len(data) >= 1 << 20 or done is not None:
-            self.flush()
+        if done is not None:
+            if pad:
+                raise ValueError("an extent written as it is carries its own padding")
             self._write(offset, memoryview(data), done)
             return
-        if not self.parts:
+        if self._buf is None:
+            self._buf = self._free.pop() if self._free and n <= WRITE_BATCH else _aligned(max(n, WRITE_BATCH))
             self.start = offset
-        self.parts.append(data)
-        self.size += len(data)
+        at = self.size
+        self._buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._buf[at + len(data):at + n] = 0
+        self.size += n
 
     def flush(self) -> None:
-        if self.parts:
-            self._write(self.start, memoryview(b"".join(self.parts)))
-            self.parts, self.size = [], 0
+        if self._buf is not None:
+            buf = self._buf
+
+            def written() -> None:
+                if len(buf) == WRITE_BATCH:
+                    self._free.append(buf)
+
+            self._write(self.start, memoryview(buf)[:self.size], written)
+            self._buf, self.size = None, 0
 
     def _write(self, offset: int, data: memoryview, done: Callable[[], None] | None = None) -> None:
         while self._pending and self._pending_bytes + len(data) > WRITE_BEHIND_BYTES:
@@ -248,10 +280,10 @@ def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: Cod
             cs = index.chunk_size
             parts = [window[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size] for j in idx]
             if gpu_encode:
-                encoded = [stored_extent(b) for b in gpu.encode_chunks(parts, spec)]
+                encoded = [_encoded(b) for b in gpu.encode_chunks(parts, spec)]
             else:
                 host = window.cpu().numpy()
-                encoded = list(pool.map(lambda j: stored_extent(codec.encode_chunk(memoryview(
+                encoded = list(pool.map(lambda j: _encoded(codec.encode_chunk(memoryview(
                     host[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size]))), idx))
             yield from zip((rec.chunks[j] for j in idx), encoded)
             if progress:
