@@ -157,9 +157,34 @@ def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
     assert_same({k: v.cpu() for k, v in state["model"].items()}, dict(on_cpu["model"]))
 
 
+@pytest.mark.gpu
+def test_many_small_ans_tensors_of_mixed_dtypes_recompress_in_windows_across_tensors(tmp_path):
+    """Chunks of many tensors decode in one batched call per window (copy_rank.gpu_decoded_chunks):
+    odd-sized tensors of 2-, 4- and 8-byte dtypes side by side, a window boundary inside a
+    tensor of several chunks; restored bit-exact from the zstd copy on the CPU."""
+    from tiered.gpu import GpuDevice
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = {f"t{i}": torch.randn(n, generator=g, device="cuda").to(dt)
+             for i, (n, dt) in enumerate([(7, torch.bfloat16), (1001, torch.float32), (3, torch.float64),
+                                          (13, torch.float16), (300_000, torch.float32), (5, torch.bfloat16)] * 40)}
+    state["ids"] = torch.arange(999, device="cuda")
+    cfg = cluster(tmp_path, "ans")
+    cfg["chunk_size"] = "64KiB"  # the 300,000-element tensors span many chunks
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        device = engine.workers.device(0)
+        assert isinstance(device, GpuDevice)
+        migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd", gpu=GpuRecoder(device))
+        _, index = engine.read_index(1, tier="shared")
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
+        on_cpu = engine.load(1, tier="shared", device="cpu")
+    assert_same({k: v.cpu() for k, v in state.items()}, dict(on_cpu))
+
+
 def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
     from tiered.format import CodecSpec, TensorRecord
-    from tiered.copy_rank import tensor_chunks
+    from tiered.copy_rank import gpu_decoded_chunks, tensor_chunks
     from tiered.config import ZstdSettings
 
     rec = TensorRecord(index=0, name="w", dtype="float32", shape=(10,), device="cuda:0", is_numpy=False,
@@ -172,6 +197,15 @@ def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
         list(tensor_chunks(1, None, types.SimpleNamespace(chunk_size=1 << 20), rec, CodecSpec.of("zstd", shuffle=4),
                                 Reader(), ZstdSettings(), None, None, None))
+
+    class Tier:
+        def describe(self, step, name):
+            return f"/x/step_{step}/{name}"
+
+    index = types.SimpleNamespace(chunk_size=1 << 20, data_file="rank_00000.data")
+    with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
+        list(gpu_decoded_chunks(1, Tier(), index, [rec], [CodecSpec.of("zstd", shuffle=4)], ZstdSettings(), None, None,
+                                None))
 
 
 def test_engine_migrates_in_the_background_and_resumes(tmp_path, s3_server, s3_bucket):

@@ -51,7 +51,12 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     try:
         i = 0
         while i < len(ordered):
-            if _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
+            if _gpu_decode_cpu_encode(ordered[i], specs[i]):  # a run of tensors through the GPU and the pool
+                k = i
+                while k < len(ordered) and _gpu_decode_cpu_encode(ordered[k], specs[k]):
+                    k += 1
+                pieces = gpu_decoded_chunks(step, src, index, ordered[i:k], specs[i:k], settings, pool, gpu, progress)
+            elif _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
                 pieces = (([(ordered[i], stored, size, crc)], data, None)
                           for stored, (data, size, crc) in tensor_chunks(step, src, index, ordered[i], specs[i],
                                                                            reader, settings, pool, gpu, progress))
@@ -88,6 +93,53 @@ def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:
     """Recompressing this tensor's chunks needs a GPU codec (to decode them, or to encode)."""
     return bool(rec.chunks) and spec != rec.codec and not (
         get_codec_class(rec.codec.name).cpu_capable and get_codec_class(spec.name).cpu_capable)
+
+
+def _gpu_decode_cpu_encode(rec: TensorRecord, spec: CodecSpec) -> bool:
+    """This tensor's chunks are decoded on the GPU (a GPU-only codec: ans) and encoded on the CPU."""
+    return (_needs_gpu(rec, spec) and not get_codec_class(rec.codec.name).cpu_capable
+            and get_codec_class(spec.name).cpu_capable)
+
+
+def gpu_decoded_chunks(step, src, index: RankIndex, recs: list[TensorRecord], specs: list[CodecSpec], settings,
+                        pool: ThreadPoolExecutor, gpu: "GpuRecoder | None", progress):
+    """Yield ([(tensor record, source chunk record, stored size, checksum)], stored bytes, None) for
+    every chunk of `recs` (tensors in a GPU-only codec going to a CPU codec), in order: decoded on
+    the GPU in windows of `gpu.batch_chunks` chunks that cross tensor boundaries (one batched call
+    and one copy to the host each: a state of thousands of small tensors is a few calls, not a few
+    per tensor), each window encoded on the pool while the next one is read and decoded."""
+    if gpu is None:
+        raise CodecUnavailableError(
+            f"{src.describe(step, index.data_file)}: tensor {recs[0].name!r}: recompressing {recs[0].codec.name!r} "
+            "needs a GPU with nvCOMP to decode: run the migration on a GPU machine")
+    codec_of = {rec.index: get_codec(spec, settings) for rec, spec in zip(recs, specs)}
+    refs = [(rec, j) for rec in recs for j in range(len(rec.chunks))]
+
+    def encode(codec: Any, host: np.ndarray, at: int, n: int) -> tuple[bytes, int, int]:
+        return _encoded(codec.encode_chunk(memoryview(host[at:at + n])))
+
+    def emit(win: list, futures: list):
+        for (rec, j), fut in zip(win, futures):
+            stored, size, crc = fut.result()
+            yield [(rec, rec.chunks[j], size, crc)], stored, None
+        if progress:
+            progress(sum(rec.chunks[j].raw_size for rec, j in win))
+
+    dev_reader = gpu.reader(src, step, index)
+    try:
+        pending = None
+        for w in range(0, len(refs), gpu.batch_chunks):
+            win = refs[w:w + gpu.batch_chunks]
+            host, offsets = gpu.decode_refs(dev_reader, win, index.chunk_size)
+            futures = [pool.submit(encode, codec_of[rec.index], host, at, rec.chunks[j].raw_size)
+                       for (rec, j), at in zip(win, offsets)]
+            if pending is not None:
+                yield from emit(*pending)
+            pending = (win, futures)
+        if pending is not None:
+            yield from emit(*pending)
+    finally:
+        dev_reader.close()
 
 
 def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, settings: ZstdSettings,
@@ -314,6 +366,34 @@ class GpuRecoder:
         out = torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)
         self.device.restore([(one, out)], reader, chunk_size)
         return out.view(torch.uint8)
+
+    def decode_refs(self, reader: Any, refs: list[tuple[TensorRecord, int]], chunk_size: int) -> tuple[np.ndarray, list[int]]:
+        """Chunks `refs` (tensor record, chunk number; each tensor's in order, of any tensors),
+        decoded on the GPU in one batched call and copied to host memory: (the bytes, each chunk's
+        offset in them)."""
+        runs: list[list[Any]] = []  # [record, first chunk, end]
+        for rec, j in refs:
+            if runs and runs[-1][0] is rec and runs[-1][2] == j:
+                runs[-1][2] = j + 1
+            else:
+                runs.append([rec, j, j + 1])
+        starts, at = [], 0
+        for rec, lo, hi in runs:
+            at = -(-at // 16) * 16  # each run's start aligned for a typed view of its dtype
+            starts.append(at)
+            at += sum(c.raw_size for c in rec.chunks[lo:hi])
+        buf = torch.empty(at, dtype=torch.uint8, device=self.device.device)
+        items, offsets = [], []
+        for (rec, lo, hi), start in zip(runs, starts):
+            part = rec.chunks[lo:hi]
+            n = sum(c.raw_size for c in part)
+            items.append((replace(rec, shape=(n // rec.torch_dtype.itemsize,), chunks=part),
+                          buf[start:start + n].view(rec.torch_dtype)))
+            for c in part:
+                offsets.append(start)
+                start += c.raw_size
+        self.device.restore(items, reader, chunk_size)
+        return buf.cpu().numpy(), offsets
 
     def decode_chunks(self, src: Any, step: int, index: RankIndex,
                       picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
