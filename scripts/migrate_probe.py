@@ -4,7 +4,9 @@ present: decoded on the GPU) or kept (source zstd), as 8 or 2,000 tensors, with 
 background migrator uses (or as many as given), beside the zstd encode ceiling of those threads on
 the same data.
 
-    python3 scripts/migrate_probe.py [THREADS] [--dir D]
+    python3 scripts/migrate_probe.py [THREADS] [--dir D] [--mb 256] [--paths none,zstd,ans]
+
+`--mb 24000 --paths ans` is a 24 GB step of GPU tensors (issue 14's scale) on the default hop.
 """
 import os
 import shutil
@@ -23,7 +25,14 @@ from tiered.format import CodecSpec  # noqa: E402
 from tiered.migrator import background_threads, make_gpu_recoder, migrate_step  # noqa: E402
 from tiered.runtime import gpu_stack_available  # noqa: E402
 
-root = sys.argv[sys.argv.index("--dir") + 1] if "--dir" in sys.argv else "./.tiered/migrate-probe"
+
+def _opt(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+root = _opt("--dir", "./.tiered/migrate-probe")
+total_mb = int(_opt("--mb", "256"))
+paths = _opt("--paths", "none,zstd,ans").split(",")
 
 
 
@@ -32,11 +41,10 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> float:
     shutil.rmtree(root, ignore_errors=True)
     cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": f"{root}/local", "codec": src_codec},
            {"name": "shared", "kind": "posix", "path": f"{root}/shared", "codec": "zstd"}]}
-    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if src_codec == "ans" else "cpu"  # ANS is a GPU codec: a GPU's fast tier
+    g = torch.Generator(device=dev).manual_seed(0)
     per = (total_mb << 20) // 4 // ntensors
-    state = {f"t{i}": (torch.randn(per, generator=g) * 0.02) for i in range(ntensors)}
-    if src_codec == "ans":
-        state = {k: v.cuda() for k, v in state.items()}
+    state = {f"t{i}": (torch.randn(per, generator=g, device=dev) * 0.02) for i in range(ntensors)}
     with tiered.Engine.from_config(cfg) as e:
         e.save(1, state).wait()
         cat = e.catalog
@@ -59,6 +67,10 @@ with ThreadPoolExecutor(threads) as pool:
     t0 = time.perf_counter(); list(pool.map(codec.encode_chunk, chunks)); enc = len(x) / (time.perf_counter() - t0) / 1e9
 print(f"threads {threads}: zstd encode ceiling {enc:.3f} GB/s")
 gpu = make_gpu_recoder(tiered.config.load_config(None)) if gpu_stack_available() else None
-for src, n in (("none", 8), ("none", 2000), ("zstd", 8), ("zstd", 2000)) + ((("ans", 8), ("ans", 2000)) if gpu else ()):
-    print(f"  {src:>4} -> zstd, {n} tensors, 256 MB: {run(src, n, 256, threads):.3f} GB/s")
+for src in paths:
+    if src == "ans" and gpu is None:
+        print("   ans -> zstd: skipped (needs a GPU with nvCOMP)")
+        continue
+    for n in (8, 2000):
+        print(f"  {src:>4} -> zstd, {n} tensors, {total_mb} MB: {run(src, n, total_mb, threads):.3f} GB/s", flush=True)
 shutil.rmtree(root, ignore_errors=True)
