@@ -124,3 +124,29 @@ def test_too_much_unguarded_state_falls_back_to_strict(tier_config, monkeypatch,
         engine.wait()
         assert _equal(engine.load(1, device="cuda"), want)
     assert "staged strictly" in caplog.text and "not guarded by an optimizer" in caplog.text
+
+
+@pytest.mark.gpu
+def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path):
+    """save() returns before the GPU has read the state; the caller lets it go at once and new
+    tensors on the training stream take the freed memory and overwrite it. The engine holds what
+    it reads until read (it marks no tensor's memory for its own stream), so the step has the
+    state as it was at save()."""
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": "ans"}]}
+    g = torch.Generator(device="cuda").manual_seed(2)
+    param = torch.zeros(16, device="cuda", requires_grad=True)
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.guard(torch.optim.SGD([param], lr=0.1))
+        for step in (1, 2):
+            state = {f"x{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(8)}
+            want = {k: v.cpu() for k, v in state.items()}
+            busy = torch.randn(4096, 4096, device="cuda")
+            for _ in range(30):  # the training stream is busy: the save reads after this
+                busy = torch.nn.functional.normalize(busy @ busy, dim=1)
+            handle = engine.save(step, state)
+            del state
+            junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]
+            handle.wait()
+            got = engine.load(step, device="cpu")
+            assert all(torch.equal(got[k], want[k]) for k in want), step
+            del junk
