@@ -7,12 +7,18 @@ torch, Lightning or transformers loaded does), between "training steps" that mak
 
 Prints, for each mode twice: the median and max of flatten + plan, and the median and sum of
 whole iterations (flatten + plan + 20 garbage-making steps). CPU only; no engine, no disk.
+
+Under torchrun it times the distributed `Engine.save` instead (gloo; every rank saves the state,
+rank 0 prints the warm call and the DCP planning part of it, tiered.dcp_reuse):
+
+    torchrun --nproc_per_node 2 scripts/plan_probe.py --engine DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
@@ -39,6 +45,17 @@ def main() -> None:
     p.add_argument("--engine", metavar="DIR", help="also time Engine.save of the state on a local tier in DIR")
     args = p.parse_args()
     reps = [replica() for _ in range(args.replicas)]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        if not args.engine:
+            p.error("under torchrun: --engine DIR")
+        dist.init_process_group("gloo")
+        try:
+            dist_calls(args.engine, lambda: {f"r{k}": r for k, r in enumerate(reps)})
+        finally:
+            dist.destroy_process_group()
+        return
 
     def state() -> dict:  # new dicts every save, as model.state_dict() and optimizer.state_dict() make
         return {f"r{k}": {"model": dict(r["model"]),
@@ -98,6 +115,36 @@ def engine_calls(root: str, state) -> None:
               f"of it flatten + plan {statistics.median(plans[3:]):.1f} ms", flush=True)
     tree_mod.collector_paused = paused
     shutil.rmtree(root, ignore_errors=True)
+
+
+def dist_calls(root: str, state) -> None:
+    """Warm distributed `Engine.save` calls of the same state on one local tier (codec none)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import tiered
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": root, "codec": "none"}]}
+    calls, plans = [], []
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in range(1, 13):
+            t0 = time.perf_counter()
+            h = engine.save(step, state())
+            calls.append(1e3 * (time.perf_counter() - t0))
+            plans.append(h.timings["dcp_plan_ms"])
+            h.wait()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        n = sum(1 for _ in tiered.tree.flatten(state())[1])
+        print(f"distributed Engine.save at {dist.get_world_size()} ranks, {n} tensors a rank: warm call median "
+              f"{statistics.median(calls[2:]):.1f} ms (range {min(calls[2:]):.1f}-{max(calls[2:]):.1f}), of it DCP "
+              f"planning {statistics.median(plans[2:]):.1f} ms; first save {calls[0]:.1f} ms, planning {plans[0]:.1f} ms",
+              flush=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
