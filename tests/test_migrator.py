@@ -432,3 +432,25 @@ def test_a_copy_writes_zero_padding_whatever_the_source_padding_holds(tmp_path):
             assert copied[c.offset:c.offset + c.size] == raw[c.offset:c.offset + c.size]
             assert not any(copied[c.offset + c.size:c.offset + c.extent])
         assert_same(state, engine.load(1, tier="shared"))
+
+
+def test_recompressed_chunks_are_gathered_padded_and_written_bit_exact(tmp_path):
+    """Recompressed chunks are copied into 16 MiB gather buffers, reused once written, and padded
+    there (copy_rank._Batches): chunks of 64 and 36 MiB take buffers of their own, 120 chunks of
+    about 1 MiB fill the shared ones several times over (reused once written: stale bytes would
+    show in the padding). Every chunk's padding in the target is zeros, and the step
+    loads bit-exact."""
+    g = torch.Generator().manual_seed(9)
+    state = {"big": torch.randn(25 << 20, generator=g)}  # 100 MiB: chunks of 64 and 36 MiB
+    state.update({f"t{i}": torch.randn((1 << 18) + 17 * i, generator=g) for i in range(120)})  # ~7 buffers' worth
+    cfg = cluster(tmp_path, "none")
+    cfg["chunk_size"] = "64MiB"
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd")
+        _, index = engine.read_index(1, tier="shared")
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"zstd"}
+        data = (tmp_path / "shared" / "step_000000000001" / index.data_file).read_bytes()
+        for c in (c for t in index.tensors for c in t.chunks):
+            assert not any(data[c.offset + c.size:c.offset + c.extent])
+        assert_same(state, engine.load(1, tier="shared"))
