@@ -27,8 +27,7 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from tiered import threads
-from tiered import checksum
+from tiered import checksum, threads
 from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
 from tiered.copy_rank import GpuRecoder, copy_rank, make_gpu_recoder, target_spec

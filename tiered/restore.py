@@ -33,8 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from tiered import threads
-from tiered import cpu, tree
+from tiered import cpu, threads, tree
 from tiered.catalog import TierCatalog, summarize
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from tiered import threads
 from tiered.budgets import auto_host_buffer, host_available, local_ranks
 from tiered.config import Config
-from tiered import threads
 from tiered.staging import PIN_BLOCK, HostPool
 from tiered.units import format_size
 

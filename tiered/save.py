@@ -42,8 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered import threads
-from tiered import checksum, cpu, tree
+from tiered import checksum, cpu, threads, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
