@@ -39,7 +39,7 @@ from tiered.dcp_commit import (StoredItem, adopt_in_background, commit_step, met
                                multi_rank, post_commit, post_failure, results_of)
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import Manifest, RankEntry, RankIndex, TensorRecord, read_manifest, read_pinned, read_rank_index
-from tiered.restore import ChunkRepair
+from tiered.restore import STAGED_BYTES, ChunkRepair
 
 log = logging.getLogger("tiered")
 
@@ -368,11 +368,11 @@ class _SubRepair:
         return self.repair(orig, a + j, why)
 
 
-SPAN_BYTES = 256 << 20
+SPAN_BYTES = STAGED_BYTES
 """At most this many bytes decoded at a time into buffers of their own, for the items that cannot be
-decoded in place (parts of a stored tensor, another dtype or layout): a rank's whole state, on a
-GPU that training has nearly filled, must not be decoded into a second copy of itself (GPU run 89:
-a 24 GB state per rank ran out of memory so)."""
+decoded in place (parts of a stored tensor, another dtype or layout): the restore's bound. A rank's
+whole state, on a GPU that training has nearly filled, must not be decoded into a second copy of
+itself (GPU run 89: a 24 GB state per rank ran out of memory so)."""
 
 
 def _read_rank(restorer: Any, step: int, tier: Any, slower: list[Any], index: RankIndex,

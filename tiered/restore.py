@@ -46,9 +46,10 @@ from tiered.tiers import device_reader
 
 log = logging.getLogger("tiered")
 _DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
-_STAGED_BYTES = 256 << 20
-"""Host bytes a CPU restore decodes into before copying to destinations it cannot decode into
-directly (GPU tensors without GPU codecs, non-contiguous views)."""
+STAGED_BYTES = 256 << 20
+"""Bytes a restore decodes into buffers of its own, at a time, before copying them to destinations
+it cannot decode into directly (GPU tensors without GPU codecs, non-contiguous views, parts of a
+stored tensor: also `dcp_storage`'s bound)."""
 
 
 class ChunkRepair:
@@ -192,7 +193,7 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
 
     def decode_into_place(items: list[tuple[TensorRecord, torch.Tensor]], reader: Any, why: str) -> None:
         """Decode straight into contiguous CPU destinations; into buffers of at most
-        `_STAGED_BYTES` at a time for the others (GPU tensors, views), copied there after."""
+        `STAGED_BYTES` at a time for the others (GPU tensors, views), copied there after."""
         batch: list[tuple[TensorRecord, np.ndarray]] = []
         after: list[tuple[torch.Tensor, np.ndarray, TensorRecord]] = []
         staged = 0
@@ -204,7 +205,7 @@ def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tie
                 batch.append((rec, out))
                 after.append((dst, out, rec))
                 staged += rec.nbytes
-            if staged >= _STAGED_BYTES or k == len(items) - 1:
+            if staged >= STAGED_BYTES or k == len(items) - 1:
                 cpu.decode_tensors(batch, reader, pool, settings, index.chunk_size, repair, why)
                 for d, out, r in after:
                     d.copy_(torch.from_numpy(out).view(r.torch_dtype).reshape(r.shape))
