@@ -88,6 +88,21 @@ def main() -> None:
     del ballast
 
 
+def timed_saves(engine, state, n: int, phase: str, garbage: bool = False) -> tuple[list[float], list[float]]:
+    """Steps 1..n saved of `state()` and each waited for: (each call's ms, each save's `phase` ms);
+    with `garbage`, 20 garbage-making "training steps" after each."""
+    calls, phases = [], []
+    for step in range(1, n + 1):
+        t0 = time.perf_counter()
+        h = engine.save(step, state())
+        calls.append(1e3 * (time.perf_counter() - t0))
+        phases.append(h.timings[phase])
+        h.wait()
+        for _ in range(20 if garbage else 0):
+            [{"a": [i, i + 1], "b": (i,)} for i in range(3000)]
+    return calls, phases
+
+
 def engine_calls(root: str, state) -> None:
     """`Engine.save` of the same state on a local tier (codec none): the call's median over 12
     warm saves, as the engine runs it (collector paused) and with the pause taken out."""
@@ -101,16 +116,8 @@ def engine_calls(root: str, state) -> None:
         tree_mod.collector_paused = paused if mode == "paused" else contextlib.nullcontext
         shutil.rmtree(root, ignore_errors=True)
         cfg = {"tiers": [{"name": "local", "kind": "local", "path": root, "codec": "none"}], "migration": "in_process"}
-        calls, plans = [], []
         with tiered.Engine.from_config(cfg) as engine:
-            for step in range(1, 16):
-                t0 = time.perf_counter()
-                h = engine.save(step, state())
-                calls.append(1e3 * (time.perf_counter() - t0))
-                plans.append(h.timings["plan_ms"])
-                h.wait()
-                for _ in range(20):
-                    [{"a": [i, i + 1], "b": (i,)} for i in range(3000)]
+            calls, plans = timed_saves(engine, state, 15, "plan_ms", garbage=True)
         print(f"Engine.save, {mode:>12}: call median {statistics.median(calls[3:]):.1f} ms, "
               f"of it flatten + plan {statistics.median(plans[3:]):.1f} ms", flush=True)
     tree_mod.collector_paused = paused
@@ -129,14 +136,8 @@ def dist_calls(root: str, state) -> None:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": root, "codec": "none"}]}
-    calls, plans = [], []
     with tiered.Engine.from_config(cfg) as engine:
-        for step in range(1, 13):
-            t0 = time.perf_counter()
-            h = engine.save(step, state())
-            calls.append(1e3 * (time.perf_counter() - t0))
-            plans.append(h.timings["dcp_plan_ms"])
-            h.wait()
+        calls, plans = timed_saves(engine, state, 12, "dcp_plan_ms")
     dist.barrier()
     if dist.get_rank() == 0:
         n = sum(1 for _ in tiered.tree.flatten(state())[1])
