@@ -163,3 +163,33 @@ def test_mutated_real_index_fails_only_with_format_error(saved, data):
         _index(doc)
     except FormatError:
         pass
+
+
+def test_an_index_is_the_json_of_its_records_and_its_chunks_are_no_objects_for_the_collector(saved):
+    """to_json writes chunk tables as text: the same JSON as json.dumps of the records. A tensor's
+    chunks are one table of machine integers, not an object per chunk: a save of a large state
+    places tens of thousands, and as objects they set off full collections of the training
+    process, which hold every thread (GPU run 103)."""
+    import gc
+
+    from tiered.format import ChunkRecord, ChunkTable
+
+    _, index, _ = saved
+    doc = dict(index, tensors=[dict(t, name=f'{t["name"]}"\\é') for t in index["tensors"]])
+    idx = _index(doc)
+    assert idx.to_json() == json.dumps(doc, separators=(",", ":")).encode()
+    table = next(t.chunks for t in idx.tensors if len(t.chunks) > 1)
+    assert isinstance(table, ChunkTable)
+    c = table[0]
+    assert type(c) is ChunkRecord and c == (c.offset, c.size, c.raw_size, c.checksum) and c.extent % 4096 == 0
+    assert list(table[1:]) == list(table)[1:] and table == list(table) and table[-1] == list(table)[-1]
+    assert idx.tensors[0].stored_bytes == sum(c.size for c in idx.tensors[0].chunks)
+
+    gc.collect()
+    before = len(gc.get_objects())
+    big = ChunkTable()
+    for j in range(20_000):
+        big.append(j * 4096, 4000, 1 << 20, (1 << 64) - 1 - j)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100  # (not one per chunk)
+    assert big[-1] == ChunkRecord(19_999 * 4096, 4000, 1 << 20, (1 << 64) - 20_000)

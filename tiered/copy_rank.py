@@ -24,9 +24,10 @@ from tiered.config import ZstdSettings
 from tiered.checksum import wsum64
 from tiered.cpu import WindowBuffers, chunk_windows, decode_into, read_chunk, verified
 from tiered.errors import CodecUnavailableError
-from tiered.format import ALIGNMENT, ChunkRecord, CodecSpec, RankIndex, TensorRecord
+from tiered.format import ALIGNMENT, ChunkTable, CodecSpec, RankIndex, TensorRecord
 from tiered.runtime import gpu_stack_available
 from tiered.tiers import device_reader
+from tiered.units import round_up
 
 
 def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
@@ -44,7 +45,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
     ordered = sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1)
     specs = [target_spec(rec, codec) for rec in ordered]
-    chunks: dict[int, list[ChunkRecord]] = {rec.index: [] for rec in ordered}
+    chunks: dict[int, ChunkTable] = {rec.index: ChunkTable() for rec in ordered}
     out = _Batches(writer)
     buffers = WindowBuffers()
     end = 0
@@ -69,8 +70,8 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
             for entries, data, release in pieces:  # data: the stored bytes of `entries`, end to end
                 start = end
                 for rec, stored, size, crc in entries:
-                    chunks[rec.index].append(ChunkRecord(end, size, stored.raw_size, crc))
-                    end += chunks[rec.index][-1].extent
+                    chunks[rec.index].append(end, size, stored.raw_size, crc)
+                    end += round_up(size, ALIGNMENT)
                 out.add(start, data, done=release, pad=end - start - len(data))
             i = k
         out.finish()
@@ -83,7 +84,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
         if reader is not None:
             reader.close()
     records = tuple(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape, device=rec.device,
-                                 is_numpy=rec.is_numpy, codec=spec, chunks=tuple(chunks[rec.index]))
+                                 is_numpy=rec.is_numpy, codec=spec, chunks=chunks[rec.index])
                     for rec, spec in zip(ordered, specs))
     return RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=data_bytes, chunk_size=index.chunk_size,
                      skeleton=index.skeleton, tensors=records, io=getattr(writer, "io_mode", ""))
