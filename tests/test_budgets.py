@@ -201,6 +201,36 @@ def test_write_host_async_failure_is_raised_by_close_and_releases(tmp_path):
     pool.close()
 
 
+def test_queued_host_writes_hold_no_object_per_piece():
+    """A large save drains pieces faster than the disk takes them; queued, they must not be
+    objects the collector tracks one by one (futures, locks: GPU run 105)."""
+    import gc
+    import threading
+
+    from tiered.tiers.host_writes import HostWrites
+
+    gate, got = threading.Event(), []
+    writes = HostWrites(lambda view, offset: (gate.wait(), got.append((offset, bytes(view)))), 2, 4096, "test-write")
+    data = memoryview(bytes(range(256)) * 64)  # 16 KiB: four pieces an extent
+    done = []
+
+    def mark() -> None:
+        done.append(1)
+
+    gc.collect()
+    before = len(gc.get_objects())
+    for e in range(500):
+        writes.submit(e * len(data), data, mark)
+    queued = len(gc.get_objects()) - before
+    gate.set()
+    writes.wait()
+    writes.close()
+    assert queued < 500 + 50, queued  # (an extent's queue entry; not 2,000 pieces, each with a future)
+    assert len(done) == 500
+    assert sorted(got) == [(e * len(data) + p, bytes(data[p:p + 4096]))
+                           for e in range(500) for p in range(0, len(data), 4096)]
+
+
 # --- on the GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_auto_gpu_budget_is_logged_and_bounded_by_free_memory(tmp_path, caplog):

@@ -17,7 +17,6 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
                            step_dir_name)
 from tiered.tiers.base import committed_error
+from tiered.tiers.host_writes import HostWrites
 
 log = logging.getLogger("tiered")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -149,8 +149,7 @@ class LocalDataWriter:
         self._bounce: AlignedBuffer | None = None
         self._cufile: Any = None
         self._futures: list[Any] = []
-        self._host_pool: ThreadPoolExecutor | None = None
-        self._host_futures: list[Future] = []
+        self._host = HostWrites(self._pwrite_all, IO_THREADS, IO_TASK, "tiered-write")
         self._reopen = threading.Lock()
         self._end = 0
         host_mode = "posix-odirect" if self._direct else "posix-buffered"
@@ -189,23 +188,7 @@ class LocalDataWriter:
             if on_done is not None:
                 on_done()
             return
-        if self._host_pool is None:
-            self._host_pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="tiered-write")
-        pieces = [(offset + p, buf[p:p + IO_TASK]) for p in range(0, n, IO_TASK)]
-        left = [len(pieces)]
-        lock = threading.Lock()
-
-        def one(piece: tuple[int, memoryview]) -> None:
-            try:
-                self._pwrite_all(piece[1], piece[0])
-            finally:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last and on_done is not None:
-                    on_done()
-
-        self._host_futures.extend(self._host_pool.submit(one, piece) for piece in pieces)
+        self._host.submit(offset, buf, on_done)
         self._end = max(self._end, offset + n)
 
     def _pwrite_all(self, buf: memoryview, offset: int) -> None:
@@ -238,14 +221,10 @@ class LocalDataWriter:
 
     def wait(self) -> None:
         futures, self._futures = self._futures, []
-        host, self._host_futures = self._host_futures, []
         try:
             wait_futures(futures)
         finally:
-            for f in host:
-                f.exception()  # all of them finish before any failure is raised
-        for f in host:
-            f.result()
+            self._host.wait()  # (all of them finish before any failure is raised)
 
     def wait_for(self, future: Any) -> None:
         """Wait until one write is done (its result is collected by wait() or close(); a future
@@ -275,9 +254,7 @@ class LocalDataWriter:
         self._release()
 
     def _release(self) -> None:
-        if self._host_pool is not None:
-            self._host_pool.shutdown()
-            self._host_pool = None
+        self._host.close()
         if self._cufile is not None:
             self._cufile.close()
             self._cufile = None
