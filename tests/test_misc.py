@@ -189,3 +189,33 @@ def test_file_runs_group_chunks_that_lie_end_to_end():
     # extents are 4 KiB aligned: 8192, 4096, 4096, 4096, 8192
     assert file_runs(c) == [(0, 16384, [0, 1, 2]), (40960, 4096, [3]), (0, 8192, [4])]
     assert file_runs([]) == []
+
+
+def test_drain_runs_fill_each_run_up_to_the_limit_with_whole_aligned_rows():
+    import random
+
+    from tiered.gpu_layout import drain_runs
+
+    rng = random.Random(7)
+    for _ in range(200):
+        sizes = [rng.randint(1, 1 << 20) for _ in range(rng.randint(0, 200))]
+        limit = rng.choice([4096, 1 << 20, 3 << 20, 64 << 20])
+        extents, bounds, offsets = drain_runs(sizes, limit)
+        assert extents == [-(-n // 4096) * 4096 for n in sizes]
+        assert [r for i, k, _ in bounds for r in range(i, k)] == list(range(len(sizes)))  # every row once, in order
+        for n, (i, k, total) in enumerate(bounds):
+            assert total == sum(extents[i:k]) and (k == i + 1 or total <= limit)
+            assert offsets[i:k].tolist() == [sum(extents[i:r]) for r in range(i, k)]
+            if n + 1 < len(bounds):  # greedy: the next row would not have fitted
+                assert total + extents[k] > limit
+
+
+def test_joined_extents_write_consecutive_extents_as_few_buffers():
+    from tiered.cpu import joined_extents
+
+    parts = [memoryview(bytes([i]) * n) for i, n in enumerate([4096, 8192, 4096, 40960, 4096])]
+    got = list(joined_extents(parts, 16384))
+    assert [at for at, _ in got] == [0, 16384, 57344]
+    assert b"".join(bytes(b) for _, b in got) == b"".join(bytes(p) for p in parts)
+    assert [len(b) for _, b in got] == [16384, 40960, 4096]  # (the large one alone, as it is)
+    assert list(joined_extents([], 16384)) == []

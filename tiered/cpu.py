@@ -113,6 +113,11 @@ def stored_extent(stored: bytes | memoryview) -> tuple[memoryview, int, int]:
     return pad_extent(stored), len(stored), wsum64(stored)
 
 
+INLINE_CHUNK_BYTES = 16 << 10
+"""Chunks averaging under this size are encoded on the calling thread: for them a pool task
+costs more than the encoding (an optimizer's `step` scalars are thousands of 4-byte chunks)."""
+
+
 def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSettings) -> list[tuple[memoryview, int, int]]:
     """[(padded stored extent, stored size, checksum)] for each chunk of the segment, in order."""
     buf = seg.raw.numpy()
@@ -122,7 +127,23 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
         c = seg.chunks[i]
         return stored_extent(get_codec(c.plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]])))
 
+    if starts[-1] < INLINE_CHUNK_BYTES * len(seg.chunks):
+        return [one(i) for i in range(len(seg.chunks))]
     return list(pool.map(one, range(len(seg.chunks))))
+
+
+def joined_extents(extents: Sequence[memoryview], limit: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset from the first, bytes) of consecutive padded extents joined up to `limit` bytes
+    (an extent larger than that alone, as it is): one write each instead of one per chunk."""
+    at, i, n = 0, 0, len(extents)
+    while i < n:
+        k, size = i + 1, len(extents[i])
+        while k < n and size + len(extents[k]) <= limit:
+            size += len(extents[k])
+            k += 1
+        yield at, (extents[i] if k == i + 1 else memoryview(b"".join(extents[i:k])))
+        at += size
+        i = k
 
 
 WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20

@@ -26,16 +26,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from tiered import gpu_checksum
 from tiered.budgets import auto_gpu_buffer
-from tiered.checksum import to_u64, wsum64_rows_torch
+from tiered.checksum import wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
 from tiered.format import ALIGNMENT, TensorRecord
-from tiered.gpu_layout import Layout
+from tiered.gpu_layout import Layout, drain_runs
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import ChunkRef, TensorPlan
 from tiered.staging import HostPool, RowRing
@@ -97,7 +98,7 @@ class DrainedRows:
     def wait(self) -> list[int]:
         """Wait for the copies (the GIL is released meanwhile); the rows' wsum64 checksums."""
         self.done.synchronize()
-        return [to_u64(x) for x in self.io[1].tolist()]
+        return _unsigned(self.io[1])
 
     def release_hosts(self) -> None:
         """After a failure: give the host pages back (once nothing copies into them any more)."""
@@ -282,13 +283,13 @@ class GpuDevice:
             parts.append(wsum64_rows_torch(rows, round_up(max(sizes[r:r + CHECKSUM_ROWS]), 4) // 4))
         dev[1].copy_(torch.cat(parts))
 
-    def _wave_io(self, sizes: Sequence[int], offsets: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def _wave_io(self, sizes: Sequence[int], offsets: Any = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(pinned, on this GPU): the wave's int64 (3, rows): sizes, checksums (filled on the GPU),
         and each row's word offset in its packed run; sent without waiting (a plain copy from
         pageable memory would synchronize the writer stream, and so the drain's pipeline)."""
         io = torch.empty((3, len(sizes)), dtype=torch.int64, pin_memory=True)
         io[0].numpy()[:] = sizes
-        io[2].numpy()[:] = offsets or 0
+        io[2].numpy()[:] = offsets
         return io, io.to(self.device, non_blocking=True)
 
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
@@ -299,7 +300,7 @@ class GpuDevice:
             self._checksums(seg, sizes, dev)
             io[1].copy_(dev[1], non_blocking=True)
             self.writer_stream.synchronize()
-        return [to_u64(x) for x in io[1].tolist()]
+        return _unsigned(io[1])
 
     def _staging_buffers(self, at_least: int = 0) -> list[torch.Tensor]:
         """The two GPU staging buffers of `write_staging_bytes` each (at least `at_least` bytes:
@@ -356,25 +357,16 @@ class GpuDevice:
         (tiered.gpu_write), so the copy engine does not idle between waves."""
         host = self.host
         stride = seg.rows.shape[1]
-        extents = [round_up(n, ALIGNMENT) for n in sizes]
         with torch.cuda.device(self.index):
             staging = self._staging_buffers(stride)[0]
         limit = min(staging.numel(), host.max_run_bytes)  # (a run holds one row at least)
         runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
-        bounds, offsets, i = [], [], 0
-        while i < len(extents):
-            k, total = i, 0
-            while k < len(extents) and (k == i or total + extents[k] <= limit):
-                offsets.append(total // 4)
-                total += extents[k]
-                k += 1
-            bounds.append((i, k, total))
-            i = k
+        extents, bounds, offsets = drain_runs(sizes, limit)
         fused = gpu_checksum.available()
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
             try:
                 self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
-                io, dev = self._wave_io(sizes, offsets)
+                io, dev = self._wave_io(sizes, offsets // 4)
                 if not fused:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
                 for i, k, total in bounds:
@@ -489,6 +481,11 @@ class GpuDevice:
 def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:
     """On the current stream: rows i..k-1's aligned extents end to end into `buf` (one fused copy)."""
     torch._foreach_copy_(list(buf.split(extents[i:k])), [seg.rows[r, :extents[r]] for r in range(i, k)])
+
+
+def _unsigned(sums: torch.Tensor) -> list[int]:
+    """Checksums computed on the GPU as int64 (a pinned host tensor), as the uint64 they are."""
+    return sums.numpy().view(np.uint64).tolist()
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

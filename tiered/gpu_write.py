@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tiered.format import ALIGNMENT
 from tiered.units import round_up
@@ -35,11 +35,13 @@ DRAIN_DEPTH = 2
 
 
 class RowsWriter:
-    """Writes the GPU waves of one rank's data file. `place(chunk ref, stored size, checksum)`
-    returns the chunk's offset in the file; chunks are placed in save order. `timings`: the
+    """Writes the GPU waves of one rank's data file. `place(chunk refs, stored sizes, checksums)`
+    places chunks end to end in the file and returns the first one's offset; chunks are placed
+    in save order. `timings`: the
     save's handle timings, which get the writer's phases (milliseconds, ``write.*``)."""
 
-    def __init__(self, writer: Any, place: Callable[[Any, int, int], int], timings: dict[str, float]):
+    def __init__(self, writer: Any, place: Callable[[Sequence[Any], Sequence[int], Sequence[int]], int],
+                 timings: dict[str, float]):
         self.writer, self.place, self.timings = writer, place, timings
         self._issued: deque[tuple[Any, Any]] = deque()
         self._first: float | None = None
@@ -142,10 +144,7 @@ class RowsWriter:
 
 def _place_run(seg: Any, sizes: list[int], sums: list[int], i: int, k: int, place: Any) -> int:
     """Place rows i..k-1 end to end; the offset of the first (the run is one extent of the file)."""
-    offset = place(seg.chunks[i], sizes[i], sums[i])
-    for r in range(i + 1, k):
-        place(seg.chunks[r], sizes[r], sums[r])
-    return offset
+    return place(seg.chunks[i:k], sizes[i:k], sums[i:k])
 
 
 def _write_from_gpu(seg: Any, sizes: list[int], writer: Any, place: Any) -> None:

@@ -46,7 +46,7 @@ from tiered import checksum, cpu, threads, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
-from tiered.format import (ALIGNMENT, ChunkRecord, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
+from tiered.format import (ALIGNMENT, ChunkTable, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
                            dtype_name, index_file_name)
 from tiered.gpu_write import RowsWriter
 from tiered.overlap import Guard, guarded_storages, overlap_plan
@@ -59,6 +59,9 @@ from tiered.version import __version__
 
 log = logging.getLogger("tiered")
 _END = object()
+JOINED_WRITE_BYTES = 16 << 20
+"""The CPU-encoded chunks of a wave are joined into writes of up to this many bytes."""
+
 
 class _Abort:
     def __init__(self, exc: BaseException):
@@ -469,19 +472,25 @@ class SavePipeline:
         job.go.wait()
         data_name = data_file_name(self.rank)
         writer = job.tier.open_data_writer(job.step, data_name, device=job.device_io)
-        chunks: dict[int, list[ChunkRecord]] = {p.index: [] for p in job.plan.all}
+        # Each tensor's chunks as packed rows (one byte string, not an object per chunk or per
+        # tensor, while the file is written: see ChunkTable).
+        chunks: dict[int, bytearray] = {p.index: bytearray() for p in job.plan.all}
+        row = ChunkTable.ROW.pack
         order: list[int] = []
         end = 0
 
-        def place(ref: Any, size: int, crc: int) -> int:
-            """Next aligned offset in the data file for chunk `ref`; records it."""
+        def place(refs: Sequence[Any], sizes: Sequence[int], sums: Sequence[int]) -> int:
+            """Place chunks `refs` (stored sizes, checksums) end to end at the next aligned offsets
+            of the data file and record them; the first one's offset."""
             nonlocal end
-            offset = end
-            if not chunks[ref.plan.index]:
-                order.append(ref.plan.index)
-            chunks[ref.plan.index].append(ChunkRecord(offset, size, ref.raw_size, crc))
-            end += round_up(size, ALIGNMENT)
-            return offset
+            first = end
+            for ref, size, crc in zip(refs, sizes, sums):
+                placed = chunks[ref.plan.index]
+                if not placed:
+                    order.append(ref.plan.index)
+                placed += row(end, size, ref.raw_size, crc)
+                end += round_up(size, ALIGNMENT)
+            return first
 
         rows = RowsWriter(writer, place, job.handle.timings)
         try:
@@ -499,8 +508,9 @@ class SavePipeline:
                         encoded = cpu.encode_segment(seg, self.workers.pool, self.config.zstd)
                     finally:
                         seg.release()
-                    for ref, (padded, size, crc) in zip(seg.chunks, encoded):
-                        writer.write_host(place(ref, size, crc), padded)
+                    offset = place(seg.chunks, [e[1] for e in encoded], [e[2] for e in encoded])
+                    for at, extents in cpu.joined_extents([e[0] for e in encoded], JOINED_WRITE_BYTES):
+                        writer.write_host(offset + at, extents)
                 else:
                     rows.add(seg)
             data_bytes = writer.close()
@@ -515,7 +525,8 @@ class SavePipeline:
             skeleton=job.skeleton, io=writer.io_mode,
             tensors=tuple(TensorRecord(index=i, name=plans[i].name, dtype=dtype_name(plans[i].dtype),
                                        shape=plans[i].shape, device=plans[i].device,
-                                       is_numpy=plans[i].is_numpy, codec=plans[i].spec, chunks=tuple(chunks[i]))
+                                       is_numpy=plans[i].is_numpy, codec=plans[i].spec,
+                                       chunks=ChunkTable.packed(chunks[i]))
                           for i in ordered))
         raw_index = index.to_json()
         index_name = index_file_name(self.rank)
@@ -523,7 +534,7 @@ class SavePipeline:
         return RankFiles(entry=RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name,
                                          data_bytes),
                          index=index, raw_bytes=job.handle.raw_bytes,
-                         stored_bytes=sum(c.size for cs in chunks.values() for c in cs))
+                         stored_bytes=sum(t.stored_bytes for t in index.tensors))
 
 
 
