@@ -151,3 +151,35 @@ def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path):
             wrong = [k for k in want if not torch.equal(got[k], want[k])]
             assert not wrong, (step, wrong, [(got[k][:3].tolist(), want[k][:3].tolist()) for k in wrong[:2]])
             del junk
+
+
+@pytest.mark.gpu
+def test_saves_and_restores_are_exact_when_new_memory_is_filled_with_nan(tmp_path):
+    """Under torch.use_deterministic_algorithms (Lightning's deterministic=True), new memory is
+    filled with NaN by a kernel on the stream that allocates it. The engine's buffers, and a
+    restore's, must be filled before the work that writes them, not beside it: on an H100 a
+    restore came back NaN once Lightning's test had left the mode on (GPU runs 104-109)."""
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": "ans"}]}
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"x{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(4)}
+    want = {k: v.cpu() for k, v in state.items()}
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with tiered.Engine.from_config(cfg) as engine:
+            param = torch.zeros(16, device="cuda", requires_grad=True)
+            engine.guard(torch.optim.SGD([param], lr=0.1))  # (the first save allocates from the stager)
+            for step in (1, 2):
+                torch.cuda._sleep(50_000_000)  # the caller's stream is busy: fills queued on it run late
+                engine.save(step, state).wait()
+                torch.cuda._sleep(50_000_000)
+                got = engine.load(step, device="cpu")
+                assert all(torch.equal(got[k], want[k]) for k in want), (step, "load")
+                target = {k: torch.zeros_like(v) for k, v in state.items()}
+                torch.cuda._sleep(50_000_000)
+                engine.restore(target, step=step)
+                assert all(torch.equal(target[k].cpu(), want[k]) for k in want), (step, "restore")
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -174,10 +174,14 @@ class GpuDevice:
             wave_rows = self.budgets.pack_buffer // self.chunk_size + 1
             others = (0 if self._pack is not None else self.budgets.pack_buffer) + 2 * _WRITE_STAGING
             rows = max(4, self.budget(nchunks * stride, others, 2 * wave_rows * stride, "the save slab") // stride)
-            self._slab = torch.empty(rows * stride, dtype=torch.uint8, device=self.device)
-            self._stride, self._ring = stride, RowRing(rows)
-            if self._pack is None:
-                self._pack = torch.empty(self.budgets.pack_buffer, dtype=torch.uint8, device=self.device)
+            # Allocated on the stream that first writes them: with torch.use_deterministic_algorithms
+            # (Lightning's deterministic=True), new memory is filled with NaN by a kernel on the
+            # stream it is allocated on, which must run before, not beside, the save's work.
+            with torch.cuda.stream(self.stream):
+                self._slab = torch.empty(rows * stride, dtype=torch.uint8, device=self.device)
+                self._stride, self._ring = stride, RowRing(rows)
+                if self._pack is None:
+                    self._pack = torch.empty(self.budgets.pack_buffer, dtype=torch.uint8, device=self.device)
 
     # --- save --------------------------------------------------------------------------
     def stage(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor],
@@ -308,7 +312,9 @@ class GpuDevice:
         size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
         if self._staging is None or self._staging[0].numel() < at_least:
             self._staging = None  # (the smaller ones go before the larger are allocated)
-            self._staging = [torch.empty(max(size, at_least), dtype=torch.uint8, device=self.device) for _ in range(2)]
+            with torch.cuda.stream(self.writer_stream):  # (the stream that writes them: see _ensure)
+                self._staging = [torch.empty(max(size, at_least), dtype=torch.uint8, device=self.device)
+                                 for _ in range(2)]
         return self._staging
 
     def coalesce(self, seg: RowsSegment, extents: Sequence[int], writer: Any,

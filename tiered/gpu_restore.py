@@ -44,17 +44,28 @@ def restore_on(device: Any, items: Sequence[tuple[TensorRecord, torch.Tensor]], 
         waves = wave_bounds([rec.chunks[j].raw_size for rec, _, j in refs], device.budgets.pack_buffer,
                              max(1, budget // stride // (1 if device.budgets.gpu_buffer is not None else 3)))
         rows_cap = max(k - i for i, k in waves)
-        slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=device.device)
-        pack = torch.empty(min(device.budgets.pack_buffer, sum(
-            round_up(rec.chunks[j].raw_size, PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
-            dtype=torch.uint8, device=device.device)
+        # The buffers are made on this device's stream, which alone writes them (KvikIO's reads
+        # come after the synchronize below). Under torch.use_deterministic_algorithms (Lightning's
+        # deterministic=True) new memory is filled with NaN by a kernel on the stream that
+        # allocates it; on the caller's stream those fills ran beside the decode (GPU runs 104-109).
+        with torch.cuda.stream(device.stream):
+            slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=device.device)
+            pack = torch.empty(min(device.budgets.pack_buffer, sum(
+                round_up(rec.chunks[j].raw_size, PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
+                dtype=torch.uint8, device=device.device)
         runs = [file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
         need = max(sum(n for _, n, _ in r) for r in runs)
         # Two read buffers. The next wave's reads are queued before this wave's are waited for,
         # so KvikIO's threads never idle at a wave boundary, and they run while this wave is
         # verified and decoded. The next wave's buffer was last used by the previous wave,
         # which is finished (decoded and synchronized).
-        staging = [torch.empty(need, dtype=torch.uint8, device=device.device) for _ in range(min(2, len(waves)))]
+        with torch.cuda.stream(device.stream):
+            staging = [torch.empty(need, dtype=torch.uint8, device=device.device) for _ in range(min(2, len(waves)))]
+        device.stream.synchronize()  # (their fills are done before the reads)
+        # The destinations, and the buffers made above on the caller's stream, are written on
+        # this device's stream after what the caller has queued (zeros_like, fills, older users
+        # of reused memory).
+        device.stream.wait_stream(torch.cuda.current_stream(device.device))
         current = _read_runs(reader, runs[0], staging[0])
         for w, (i, k) in enumerate(waves):
             pending = _read_runs(reader, runs[w + 1], staging[(w + 1) % 2]) if w + 1 < len(waves) else []
