@@ -45,7 +45,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
     ordered = sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1)
     specs = [target_spec(rec, codec) for rec in ordered]
-    chunks: dict[int, ChunkTable] = {rec.index: ChunkTable() for rec in ordered}
+    chunks: dict[int, ChunkTable] = {rec.index: ChunkTable.packed() for rec in ordered}
     out = _Batches(writer)
     buffers = WindowBuffers()
     end = 0

@@ -143,36 +143,52 @@ class ChunkRecord(NamedTuple):
 
 
 class ChunkTable(Sequence[ChunkRecord]):
-    """A tensor's chunk records, packed in one byte string (four 64-bit integers per chunk), not
-    an object per chunk; reads as a sequence of ChunkRecord. A save of a large state places tens
-    of thousands of chunks, and as objects they lived long enough to set off the collector's full
-    passes over the training process, each of which holds every Python thread: 170-244 ms inside
-    each save of a 24 GB state (H100, GPU run 103). A byte string is not an object the
-    collector tracks. Appended to while a data file is written, then only read."""
+    """A tensor's chunk records: a sequence of ChunkRecord.
 
-    __slots__ = ("_raw",)
+    A save's writer builds it packed, four 64-bit integers per chunk in one byte string, and
+    writes the index from that: no object per chunk. A save of a large state places tens of
+    thousands of chunks, and as objects they lived long enough to set off the collector's full
+    passes over the training process, each of which holds every Python thread: 170-244 ms inside
+    each save of a 24 GB state (H100, GPU run 103). A byte string is not an object the collector
+    tracks. A table read from an index, or first read by index, holds its records as a tuple,
+    so that restores and migration read them at a tuple's speed."""
+
+    __slots__ = ("_raw", "_records")
     ROW = struct.Struct("<qqqQ")
-    """One chunk: offset, size, raw size, checksum (a writer may pack rows itself: `packed`)."""
+    """One packed chunk: offset, size, raw size, checksum (a writer may pack rows itself: `packed`)."""
 
     def __init__(self, records: Iterable[Sequence[int]] = ()):
-        self._raw = bytearray()
-        for r in records:
-            self.append(*r)
+        self._records: tuple[ChunkRecord, ...] | None = tuple(
+            r if type(r) is ChunkRecord else ChunkRecord(*r) for r in records)
+        self._raw: bytearray | None = None
 
     @classmethod
-    def packed(cls, raw: bytearray) -> "ChunkTable":
-        """The table of rows packed with ROW, end to end (taken, not copied)."""
+    def packed(cls, raw: bytearray | None = None) -> "ChunkTable":
+        """A table of rows packed with ROW, end to end (taken, not copied), to append to."""
+        raw = bytearray() if raw is None else raw
         if len(raw) % cls.ROW.size:
             raise ValueError(f"{len(raw)} bytes are not whole chunk rows")
         table = cls()
-        table._raw = raw
+        table._raw, table._records = raw, None
         return table
 
     def append(self, offset: int, size: int, raw_size: int, checksum: int) -> None:
-        self._raw += self.ROW.pack(offset, size, raw_size, checksum)
+        raw = self._pack()
+        raw += self.ROW.pack(offset, size, raw_size, checksum)
+        self._records = None
+
+    def _pack(self) -> bytearray:
+        if self._raw is None:
+            self._raw = bytearray(b"".join([self.ROW.pack(*r) for r in self._records or ()]))
+        return self._raw
+
+    def _rows(self) -> tuple[ChunkRecord, ...]:
+        if self._records is None:
+            self._records = tuple(map(ChunkRecord._make, self.ROW.iter_unpack(self._raw or b"")))
+        return self._records
 
     def __len__(self) -> int:
-        return len(self._raw) // 32
+        return len(self._records) if self._records is not None else len(self._raw or b"") // self.ROW.size
 
     @overload
     def __getitem__(self, i: int) -> ChunkRecord: ...
@@ -181,44 +197,36 @@ class ChunkTable(Sequence[ChunkRecord]):
     def __getitem__(self, i: slice) -> "ChunkTable": ...
 
     def __getitem__(self, i: int | slice) -> "ChunkRecord | ChunkTable":
-        n = len(self)
         if isinstance(i, slice):
-            part = ChunkTable()
-            lo, hi, step = i.indices(n)
-            part._raw = self._raw[32 * lo:32 * max(lo, hi)] if step == 1 else \
-                bytearray(b"".join(self._raw[32 * j:32 * j + 32] for j in range(lo, hi, step)))
-            return part
-        if not -n <= i < n:
-            raise IndexError("chunk index out of range")
-        return ChunkRecord._make(self.ROW.unpack_from(self._raw, 32 * (i % n)))
+            return ChunkTable(self._rows()[i])
+        return self._rows()[i]
 
     def __iter__(self) -> Iterator[ChunkRecord]:
-        return map(ChunkRecord._make, self.ROW.iter_unpack(self._raw))
+        return iter(self._rows())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ChunkTable):
-            return self._raw == other._raw
+            return self._rows() == other._rows()
         if isinstance(other, Sequence):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(bytes(self._raw))
+        return hash(self._rows())
 
     def __repr__(self) -> str:
         return f"ChunkTable({list(self)!r})"
 
     @property
-    def raw_sizes(self) -> list[int]:
-        return memoryview(self._raw).cast("q")[2::4].tolist()
-
-    @property
     def stored_bytes(self) -> int:
-        return sum(memoryview(self._raw).cast("q")[1::4].tolist())
+        if self._records is not None:
+            return sum(r.size for r in self._records)
+        return sum(memoryview(self._raw or bytearray()).cast("q")[1::4].tolist())
 
     def to_json(self) -> str:
         """The JSON array of [offset, size, raw size, "checksum as 16 hex digits"] per chunk."""
-        return "[" + ",".join([f'[{o},{s},{r},"{c:016x}"]' for o, s, r, c in self.ROW.iter_unpack(self._raw)]) + "]"
+        rows = self._records if self._records is not None else self.ROW.iter_unpack(self._raw or b"")
+        return "[" + ",".join([f'[{o},{s},{r},"{c:016x}"]' for o, s, r, c in rows]) + "]"
 
 
 @dataclass(frozen=True)
@@ -493,7 +501,7 @@ class _Validator:
         except (TypeError, ValueError) as exc:
             raise FormatError(f"{self.source}: {where}bad {codec['name']} configuration: {exc}") from None
         chunks_raw = self.list(t, "chunks", where)
-        chunks = ChunkTable()
+        chunks: list[ChunkRecord] = []
         for j, c in enumerate(chunks_raw):
             # type() rather than isinstance(): bool is not an int here, and this loop runs per chunk.
             if type(c) is not list or len(c) != 4:
@@ -509,15 +517,14 @@ class _Validator:
             if not 0 < raw_size <= chunk_size:
                 raise FormatError(f"{self.source}: {where}chunk {j} raw size {raw_size} not in (0, {chunk_size}]")
             end = off + extent
-            chunks.append(off, size, raw_size, crc_value)
+            chunks.append(ChunkRecord(off, size, raw_size, crc_value))
         rec = TensorRecord(index=self.int(t, "index", 0, 1 << 31), name=name, dtype=dtype, shape=tuple(shape),
                            device=str(t.get("device", "cpu")), is_numpy=bool(t.get("numpy", False)),
                            codec=CodecSpec.of(codec["name"], **codec.get("configuration", {})),
-                           chunks=chunks)
+                           chunks=ChunkTable(chunks))
         expected = -(-rec.nbytes // chunk_size)
-        raw_sizes = chunks.raw_sizes
-        if len(chunks) != expected or sum(raw_sizes) != rec.nbytes or any(
-                n != chunk_size for n in raw_sizes[:-1]):
+        if len(chunks) != expected or sum(c.raw_size for c in chunks) != rec.nbytes or any(
+                c.raw_size != chunk_size for c in chunks[:-1]):
             raise FormatError(f"{self.source}: {where}{len(chunks)} chunks do not cover {rec.nbytes} bytes "
                               f"in chunks of {chunk_size} (expected {expected})")
         return rec, end
