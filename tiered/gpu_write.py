@@ -37,8 +37,8 @@ DRAIN_DEPTH = 2
 class RowsWriter:
     """Writes the GPU waves of one rank's data file. `place(chunk refs, stored sizes, checksums)`
     places chunks end to end in the file and returns the first one's offset; chunks are placed
-    in save order. `timings`: the
-    save's handle timings, which get the writer's phases (milliseconds, ``write.*``)."""
+    in save order. `timings`: the save's handle timings, which get the writer's phases
+    (milliseconds, ``write.*``)."""
 
     def __init__(self, writer: Any, place: Callable[[Sequence[Any], Sequence[int], Sequence[int]], int],
                  timings: dict[str, float]):
