@@ -84,11 +84,17 @@ def train(device: str, params: float, steps: int, ctx: int, batch: int, seed: in
                             train_s=round(time.perf_counter() - t0, 1)), step_fn, kit
 
 
-def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode: str) -> dict:
+def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode: str, rounds: int = 3) -> dict:
     """Training while a migrator copies steps down to a shared tier (recompressing to zstd): the
     engine's child process (`process`, the default), its own thread (`in_process`) or a `tiered
     migrate --follow` daemon (`daemon`). Training step time and save() stall with the migrator
-    busy, against the same with it idle."""
+    busy, against the same with it idle.
+
+    Step times come from `rounds` alternating rounds: every training step from a save until
+    that step is on the shared tier (the migration as training feels it, whole), then as many
+    steps with the migrator idle. The medians, quartiles and counts of all of them are
+    reported: five steps, as this measured before, could not tell a 3% slowdown from drift."""
+    import statistics
     import subprocess
 
     import yaml
@@ -103,15 +109,16 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
         daemon = subprocess.Popen([sys.executable, "-m", "tiered.cli", "migrate", "--config", str(root / "cluster.yaml"),
                                    "--follow", "--interval", "0.2", "-q"])
 
-    def step_ms(n: int = 5) -> float:
-        times = []
-        for _ in range(n):
+    def steps_until(done, at_least: int, at_most: int = 2000) -> list[float]:
+        """Times (ms) of training steps run until `done()`, at least `at_least` of them."""
+        times: list[float] = []
+        while len(times) < at_least or (len(times) < at_most and not done()):
             sync(device)
             t0 = time.perf_counter()
             step_fn()
             sync(device)
             times.append(1e3 * (time.perf_counter() - t0))
-        return sorted(times)[len(times) // 2]
+        return times
 
     def migrated(engine, steps) -> None:
         if daemon is None:
@@ -121,27 +128,41 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
             assert daemon.poll() is None, "the migrate daemon exited"
             time.sleep(0.05)
 
+    def quartiles(times: list[float]) -> list[float]:
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
+        return [round(q[0], 2), round(q[2], 2)]
+
     try:
         with tiered.Engine.from_config(root / "cluster.yaml") as engine:
             engine.save(1, state).wait()                    # warm-up: slabs, codecs; step 1 migrates
             migrated(engine, [1])
-            idle_step = step_ms()
             idle_stall = measure_saves(engine, state, device, 1, first_step=2)[0]["stall_ms"]
             migrated(engine, [1, 2])
             t0 = time.perf_counter()
             engine.save(3, state).wait()                    # step 3 now migrates in the background
             time.sleep(0.3)                                 # (the daemon scans every 0.2 s)
             busy_stall = measure_saves(engine, state, device, 1, first_step=4)[0]["stall_ms"]
-            busy_step = step_ms()
             migrated(engine, [3, 4])
             migrated_s = time.perf_counter() - t0
             manifest, index = engine.read_index(3, tier="shared")
+            idle, busy = [], []
+            for r in range(rounds):
+                step = 10 + r
+                engine.save(step, state).wait()
+                got = steps_until(lambda s=step: s in engine.steps("shared"), at_least=5)
+                busy += got
+                migrated(engine, [step])
+                idle += steps_until(lambda: True, at_least=len(got))
     finally:
         if daemon is not None:
             daemon.terminate()
             daemon.wait(60)
+    idle_step, busy_step = statistics.median(idle), statistics.median(busy)
     shutil.rmtree(root, ignore_errors=True)
     return {"mode": mode, "train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
+            "train_step_slowdown_pct": round(100 * (busy_step / idle_step - 1), 1),
+            "train_step_ms_idle_quartiles": quartiles(idle), "train_step_ms_migrating_quartiles": quartiles(busy),
+            "train_steps_measured": {"idle": len(idle), "migrating": len(busy), "rounds": rounds},
             "save_stall_ms_idle": idle_stall, "save_stall_ms_migrating": busy_stall,
             "seconds_to_shared_after_save": round(migrated_s, 2), "shared_codec": sorted({t.codec.name for t in index.tensors if t.chunks}),
             "shared_saved_pct": round(100 * manifest.saved_fraction, 2)}
@@ -453,7 +474,10 @@ def print_table(results: dict) -> None:
         print("\nS3 upload comparison skipped: needs boto3 and SeaweedFS's `weed` (pip install 'tiered[demo]')")
     for m in results.get("migration", ()):
         print(f"\nmigration ({m['mode']}) to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
-              f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating; "
+              f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating "
+              f"({m['train_step_slowdown_pct']:+}%; medians of {m['train_steps_measured']['idle']} / "
+              f"{m['train_steps_measured']['migrating']} steps, quartiles {m['train_step_ms_idle_quartiles']} / "
+              f"{m['train_step_ms_migrating_quartiles']}); "
               f"save() stall {m['save_stall_ms_idle']} ms idle / {m['save_stall_ms_migrating']} ms while migrating; "
               f"steps 3 and 4 on the shared tier {m['seconds_to_shared_after_save']} s after step 3's save()")
 
