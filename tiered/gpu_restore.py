@@ -44,10 +44,11 @@ def restore_on(device: Any, items: Sequence[tuple[TensorRecord, torch.Tensor]], 
         waves = wave_bounds([rec.chunks[j].raw_size for rec, _, j in refs], device.budgets.pack_buffer,
                              max(1, budget // stride // (1 if device.budgets.gpu_buffer is not None else 3)))
         rows_cap = max(k - i for i, k in waves)
-        # The buffers are made on this device's stream, which alone writes them (KvikIO's reads
-        # come after the synchronize below). Under torch.use_deterministic_algorithms (Lightning's
-        # deterministic=True) new memory is filled with NaN by a kernel on the stream that
-        # allocates it; on the caller's stream those fills ran beside the decode (GPU runs 104-109).
+        # The buffers are made on this device's stream, the only stream that uses them, and
+        # synchronized before KvikIO reads into them. Under torch.use_deterministic_algorithms
+        # (Lightning's deterministic=True) new memory is filled with NaN by a kernel on the stream
+        # that allocates it; made on the caller's stream, those fills ran beside the decode (GPU
+        # runs 104-109).
         with torch.cuda.stream(device.stream):
             slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=device.device)
             pack = torch.empty(min(device.budgets.pack_buffer, sum(
