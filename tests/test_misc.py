@@ -191,16 +191,16 @@ def test_file_runs_group_chunks_that_lie_end_to_end():
     assert file_runs([]) == []
 
 
-def test_drain_runs_fill_each_run_up_to_the_limit_with_whole_aligned_rows():
+def test_extent_runs_fill_each_run_up_to_the_limit_with_whole_aligned_extents():
     import random
 
-    from tiered.gpu_layout import drain_runs
+    from tiered.format import extent_runs
 
     rng = random.Random(7)
     for _ in range(200):
         sizes = [rng.randint(1, 1 << 20) for _ in range(rng.randint(0, 200))]
         limit = rng.choice([4096, 1 << 20, 3 << 20, 64 << 20])
-        extents, bounds, offsets = drain_runs(sizes, limit)
+        extents, bounds, offsets = extent_runs(sizes, limit)
         assert extents == [-(-n // 4096) * 4096 for n in sizes]
         assert [r for i, k, _ in bounds for r in range(i, k)] == list(range(len(sizes)))  # every row once, in order
         for n, (i, k, total) in enumerate(bounds):

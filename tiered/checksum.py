@@ -61,3 +61,8 @@ def wsum64_rows_torch(rows, valid_words: int | None = None):
 
 def to_u64(value: int) -> int:
     return value & _MASK64
+
+
+def unsigned(sums) -> list[int]:
+    """Checksums computed on a GPU as int64 (a CPU tensor of them), as the uint64 they are."""
+    return sums.numpy().view(np.uint64).tolist()

@@ -45,7 +45,8 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
     ordered = sorted(index.tensors, key=lambda t: t.chunks[0].offset if t.chunks else -1)
     specs = [target_spec(rec, codec) for rec in ordered]
-    chunks: dict[int, ChunkTable] = {rec.index: ChunkTable.packed() for rec in ordered}
+    chunks: dict[int, bytearray] = {rec.index: bytearray() for rec in ordered}  # (packed rows: see ChunkTable)
+    row = ChunkTable.ROW.pack
     out = _Batches(writer)
     buffers = WindowBuffers()
     end = 0
@@ -70,7 +71,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
             for entries, data, release in pieces:  # data: the stored bytes of `entries`, end to end
                 start = end
                 for rec, stored, size, crc in entries:
-                    chunks[rec.index].append(end, size, stored.raw_size, crc)
+                    chunks[rec.index] += row(end, size, stored.raw_size, crc)
                     end += round_up(size, ALIGNMENT)
                 out.add(start, data, done=release, pad=end - start - len(data))
             i = k
@@ -84,7 +85,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
         if reader is not None:
             reader.close()
     records = tuple(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape, device=rec.device,
-                                 is_numpy=rec.is_numpy, codec=spec, chunks=chunks[rec.index])
+                                 is_numpy=rec.is_numpy, codec=spec, chunks=ChunkTable.packed(chunks[rec.index]))
                     for rec, spec in zip(ordered, specs))
     return RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=data_bytes, chunk_size=index.chunk_size,
                      skeleton=index.skeleton, tensors=records, io=getattr(writer, "io_mode", ""))

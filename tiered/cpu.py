@@ -19,7 +19,7 @@ from tiered.checksum import wsum64
 from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
-from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
+from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption, extent_runs
 from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool
 from tiered.units import round_up
@@ -135,15 +135,10 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
 def joined_extents(extents: Sequence[memoryview], limit: int) -> Iterator[tuple[int, memoryview]]:
     """(offset from the first, bytes) of consecutive padded extents joined up to `limit` bytes
     (an extent larger than that alone, as it is): one write each instead of one per chunk."""
-    at, i, n = 0, 0, len(extents)
-    while i < n:
-        k, size = i + 1, len(extents[i])
-        while k < n and size + len(extents[k]) <= limit:
-            size += len(extents[k])
-            k += 1
+    at = 0
+    for i, k, size in extent_runs([len(e) for e in extents], limit)[1]:
         yield at, (extents[i] if k == i + 1 else memoryview(b"".join(extents[i:k])))
         at += size
-        i = k
 
 
 WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence, overload
 
+import numpy as np
 import torch
 
 from tiered import checksum
@@ -155,7 +156,7 @@ class ChunkTable(Sequence[ChunkRecord]):
 
     __slots__ = ("_raw", "_records")
     ROW = struct.Struct("<qqqQ")
-    """One packed chunk: offset, size, raw size, checksum (a writer may pack rows itself: `packed`)."""
+    """One packed chunk: offset, size, raw size, checksum (a writer packs its rows: `packed`)."""
 
     def __init__(self, records: Iterable[Sequence[int]] = ()):
         self._records: tuple[ChunkRecord, ...] | None = tuple(
@@ -163,24 +164,13 @@ class ChunkTable(Sequence[ChunkRecord]):
         self._raw: bytearray | None = None
 
     @classmethod
-    def packed(cls, raw: bytearray | None = None) -> "ChunkTable":
-        """A table of rows packed with ROW, end to end (taken, not copied), to append to."""
-        raw = bytearray() if raw is None else raw
+    def packed(cls, raw: bytearray) -> "ChunkTable":
+        """The table of rows a writer packed with ROW, end to end (taken, not copied)."""
         if len(raw) % cls.ROW.size:
             raise ValueError(f"{len(raw)} bytes are not whole chunk rows")
         table = cls()
         table._raw, table._records = raw, None
         return table
-
-    def append(self, offset: int, size: int, raw_size: int, checksum: int) -> None:
-        raw = self._pack()
-        raw += self.ROW.pack(offset, size, raw_size, checksum)
-        self._records = None
-
-    def _pack(self) -> bytearray:
-        if self._raw is None:
-            self._raw = bytearray(b"".join([self.ROW.pack(*r) for r in self._records or ()]))
-        return self._raw
 
     def _rows(self) -> tuple[ChunkRecord, ...]:
         if self._records is None:
@@ -227,6 +217,26 @@ class ChunkTable(Sequence[ChunkRecord]):
         """The JSON array of [offset, size, raw size, "checksum as 16 hex digits"] per chunk."""
         rows = self._records if self._records is not None else self.ROW.iter_unpack(self._raw or b"")
         return "[" + ",".join([f'[{o},{s},{r},"{c:016x}"]' for o, s, r, c in rows]) + "]"
+
+
+def extent_runs(sizes: Sequence[int], limit: int) -> tuple[list[int], list[tuple[int, int, int]], np.ndarray]:
+    """How consecutive chunks go out in large writes: (each one's aligned extent, [(first, end,
+    bytes)] runs of them whose extents end to end fit `limit` bytes (one alone may not), each
+    one's byte offset in its run). With numpy: a drained wave has thousands of rows, and the
+    writer thread's Python time is taken from a training loop that shares the GIL with it."""
+    ext = (np.asarray(sizes, dtype=np.int64) + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+    ends = np.cumsum(ext)
+    starts = ends - ext
+    offsets = np.empty_like(ext)
+    bounds: list[tuple[int, int, int]] = []
+    i, n = 0, len(ext)
+    while i < n:
+        base = int(starts[i])
+        k = max(i + 1, int(np.searchsorted(ends, base + limit, side="right")))
+        offsets[i:k] = starts[i:k] - base
+        bounds.append((i, k, int(ends[k - 1]) - base))
+        i = k
+    return ext.tolist(), bounds, offsets
 
 
 @dataclass(frozen=True)

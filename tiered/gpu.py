@@ -26,17 +26,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from tiered import gpu_checksum
 from tiered.budgets import auto_gpu_buffer
-from tiered.checksum import wsum64_rows_torch
+from tiered.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
-from tiered.format import ALIGNMENT, TensorRecord
-from tiered.gpu_layout import Layout, drain_runs
+from tiered.format import ALIGNMENT, TensorRecord, extent_runs
+from tiered.gpu_layout import Layout
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import ChunkRef, TensorPlan
 from tiered.staging import HostPool, RowRing
@@ -98,7 +97,7 @@ class DrainedRows:
     def wait(self) -> list[int]:
         """Wait for the copies (the GIL is released meanwhile); the rows' wsum64 checksums."""
         self.done.synchronize()
-        return _unsigned(self.io[1])
+        return unsigned(self.io[1])
 
     def release_hosts(self) -> None:
         """After a failure: give the host pages back (once nothing copies into them any more)."""
@@ -304,7 +303,7 @@ class GpuDevice:
             self._checksums(seg, sizes, dev)
             io[1].copy_(dev[1], non_blocking=True)
             self.writer_stream.synchronize()
-        return _unsigned(io[1])
+        return unsigned(io[1])
 
     def _staging_buffers(self, at_least: int = 0) -> list[torch.Tensor]:
         """The two GPU staging buffers of `write_staging_bytes` each (at least `at_least` bytes:
@@ -367,7 +366,7 @@ class GpuDevice:
             staging = self._staging_buffers(stride)[0]
         limit = min(staging.numel(), host.max_run_bytes)  # (a run holds one row at least)
         runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
-        extents, bounds, offsets = drain_runs(sizes, limit)
+        extents, bounds, offsets = extent_runs(sizes, limit)
         fused = gpu_checksum.available()
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
             try:
@@ -487,11 +486,6 @@ class GpuDevice:
 def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:
     """On the current stream: rows i..k-1's aligned extents end to end into `buf` (one fused copy)."""
     torch._foreach_copy_(list(buf.split(extents[i:k])), [seg.rows[r, :extents[r]] for r in range(i, k)])
-
-
-def _unsigned(sums: torch.Tensor) -> list[int]:
-    """Checksums computed on the GPU as int64 (a pinned host tensor), as the uint64 they are."""
-    return sums.numpy().view(np.uint64).tolist()
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

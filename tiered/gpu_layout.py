@@ -9,13 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec
 from tiered.config import ZstdSettings
-from tiered.format import ALIGNMENT
 from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.units import round_up
 
@@ -133,23 +131,3 @@ def wave_bounds(raw_sizes: Sequence[int], pack_bytes: int, max_rows: int) -> lis
     if i < len(raw_sizes):
         bounds.append((i, len(raw_sizes)))
     return bounds
-
-
-def drain_runs(sizes: Sequence[int], limit: int) -> tuple[list[int], list[tuple[int, int, int]], np.ndarray]:
-    """How a drained wave's rows go out: (each row's aligned extent, [(first row, end row, bytes)]
-    runs of consecutive rows whose extents end to end fit `limit` bytes (a row alone may not), each
-    row's byte offset in its run). With numpy: a wave has thousands of rows, and the writer
-    thread's Python time is taken from a training loop that shares the GIL with it."""
-    ext = (np.asarray(sizes, dtype=np.int64) + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
-    ends = np.cumsum(ext)
-    starts = ends - ext
-    offsets = np.empty_like(ext)
-    bounds: list[tuple[int, int, int]] = []
-    i, n = 0, len(ext)
-    while i < n:
-        base = int(starts[i])
-        k = max(i + 1, int(np.searchsorted(ends, base + limit, side="right")))
-        offsets[i:k] = starts[i:k] - base
-        bounds.append((i, k, int(ends[k - 1]) - base))
-        i = k
-    return ext.tolist(), bounds, offsets

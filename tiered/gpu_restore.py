@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered.checksum import to_u64, wsum64_rows_torch
+from tiered.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
 from tiered.gpu_layout import PACK_ALIGN, bytes_of, file_runs, wave_bounds
@@ -49,18 +49,17 @@ def restore_on(device: Any, items: Sequence[tuple[TensorRecord, torch.Tensor]], 
         # (Lightning's deterministic=True) new memory is filled with NaN by a kernel on the stream
         # that allocates it; made on the caller's stream, those fills ran beside the decode (GPU
         # runs 104-109).
+        runs = [file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
+        need = max(sum(n for _, n, _ in r) for r in runs)
         with torch.cuda.stream(device.stream):
             slab = torch.empty(rows_cap * stride, dtype=torch.uint8, device=device.device)
             pack = torch.empty(min(device.budgets.pack_buffer, sum(
                 round_up(rec.chunks[j].raw_size, PACK_ALIGN) for rec, _, j in refs)) + chunk_size,
                 dtype=torch.uint8, device=device.device)
-        runs = [file_runs([rec.chunks[j] for rec, _, j in refs[i:k]]) for i, k in waves]
-        need = max(sum(n for _, n, _ in r) for r in runs)
-        # Two read buffers. The next wave's reads are queued before this wave's are waited for,
-        # so KvikIO's threads never idle at a wave boundary, and they run while this wave is
-        # verified and decoded. The next wave's buffer was last used by the previous wave,
-        # which is finished (decoded and synchronized).
-        with torch.cuda.stream(device.stream):
+            # Two read buffers. The next wave's reads are queued before this wave's are waited
+            # for, so KvikIO's threads never idle at a wave boundary, and they run while this wave
+            # is verified and decoded. The next wave's buffer was last used by the previous wave,
+            # which is finished (decoded and synchronized).
             staging = [torch.empty(need, dtype=torch.uint8, device=device.device) for _ in range(min(2, len(waves)))]
         device.stream.synchronize()  # (their fills are done before the reads)
         # The destinations, and the buffers made above on the caller's stream, are written on
@@ -112,7 +111,7 @@ def _restore_wave(device: Any, refs, runs, staged, reader, slab, stride, pack, c
             part = refs[r:r + CHECKSUM_ROWS]
             words = round_up(max(rec.chunks[j].extent for rec, _, j in part), 4) // 4
             sums.append(wsum64_rows_torch(rows[r:r + CHECKSUM_ROWS], words))
-        got = [to_u64(x) for x in torch.cat(sums).cpu().tolist()]
+        got = unsigned(torch.cat(sums).cpu())
     bad: dict[int, str] = {}
     for r, (rec, _, j) in enumerate(refs):
         c = rec.chunks[j]
