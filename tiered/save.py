@@ -137,8 +137,8 @@ class _Job:
     """The stager thread has issued (or given up) all of this save's reads."""
 
     def drop_tensors(self) -> None:
-        """Forget the saved tensors once the step is written (or has failed): the engine must not
-        keep a state alive that the caller has let go."""
+        """Forget the saved tensors once the GPU has read them (or the save has failed): the engine
+        must not keep a state alive that the caller has let go, nor let it go while still reading."""
         self.plan = SavePlan(gpu=self.plan.gpu, cpu=self.plan.cpu)
 
 
@@ -374,10 +374,10 @@ class SavePipeline:
             raise
         job.segments.put(_END)
         job.go.set()
-        job.drop_tensors()  # read (GPU: ordered by record_stream) or copied: the state may go
-        if events:
-            threads.start(_complete_after, events, handle.staged, name="tiered-staged")
+        if events:  # the GPU reads the tensors until these events: hold them until then
+            threads.start(_complete_after, events, handle.staged, job.drop_tensors, name="tiered-staged")
         else:
+            job.drop_tensors()  # copied: the state may go
             _settle(handle.staged, job.step)
 
     def wait(self) -> None:
@@ -429,6 +429,8 @@ class SavePipeline:
             manifest = self._write(job)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
             _drain(job)
+            for _, ev in job.reads:  # the GPU may still read what was staged: wait before letting it go
+                ev.synchronize()
             job.drop_tensors()
             # Uncommitted: invisible anyway; frees the space.
             job.tier.discard_rank(job.step, self.rank) if job.rank_only else job.tier.discard(job.step)
@@ -577,11 +579,14 @@ def _recorded(index: int) -> Any:
     return ev
 
 
-def _complete_after(events: Sequence[Any], fut: Future) -> None:
+def _complete_after(events: Sequence[Any], fut: Future, then: Callable[[], None]) -> None:
+    """Resolve `fut` once every event has completed, then call `then` (which lets the state go)."""
     try:
         for ev in events:
             ev.synchronize()
         _settle(fut, True)
     except BaseException as exc:  # noqa: BLE001
         _settle(fut, exc=exc)
+    finally:
+        then()
 
