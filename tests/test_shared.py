@@ -91,6 +91,20 @@ def test_other_overlapping_views_stay_separate_and_unshared_states_stay_version_
     assert got["row"].data_ptr() != got["w"].data_ptr()
 
 
+def test_views_at_one_address_are_shared_only_where_the_whole_view_is_the_same():
+    """flatten looks tensors up by address first: views that start at one address but differ in
+    shape, stride or dtype, and empty views there, stay leaves of their own."""
+    from tiered import tree
+    w = torch.randn(4, 8)
+    state = {"tail": w[2:], "tail2": w[2:], "empty": w[2:2], "empty2": w[2:2], "col": w[2:, :1],
+             "bytes": w[2:].view(torch.uint8), "t": w[2:].t()}
+    skeleton, leaves = tree.flatten(state, share=True)
+    refs = dict(skeleton["$dict"])
+    assert refs["tail"] == refs["tail2"], "the same view twice is one leaf"
+    others = [refs[k]["$tensor"] for k in ("tail", "empty", "empty2", "col", "bytes", "t")]
+    assert len(set(others)) == 6 and len(leaves) == 6
+
+
 def test_shared_tensors_survive_migration(tmp_path):
     model, _ = _trained("cpu")
     cfg = {"migration": "in_process",

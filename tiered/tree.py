@@ -105,12 +105,16 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
         if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             raise StateDictError(f"{path_str(path)}: tensor subclass {type(obj).__name__} is not supported "
                                  "(DTensor support goes through tiered.dcp)")
-        if seen is not None:
-            key = _view_key(obj)
-            if key is not None:
-                if key in seen:
-                    return {"$tensor": seen[key]}
-                seen[key] = len(leaves)
+        if seen is not None:  # by address first: the whole view key only where two tensors share one
+            same = seen.get(addr := obj.data_ptr())
+            if same is None:
+                seen[addr] = [(len(leaves), obj)]
+            else:
+                key = _view_key(obj)
+                for i, other in same:
+                    if key is not None and _view_key(other) == key:
+                        return {"$tensor": i}
+                same.append((len(leaves), obj))
         leaves.append(Leaf(path, obj.detach() if obj.requires_grad else obj, False))
         return {"$tensor": len(leaves) - 1}
     if isinstance(obj, np.ndarray):
