@@ -93,7 +93,9 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
     Step times come from `rounds` alternating rounds: every training step from a save until
     that step is on the shared tier (the migration as training feels it, whole), then as many
     steps with the migrator idle. The medians, quartiles and counts of all of them are
-    reported: five steps, as this measured before, could not tell a 3% slowdown from drift."""
+    reported: five steps, as this measured before, could not tell a 3% slowdown from drift.
+    save() stalls likewise: per round one save while a step migrates and one with the migrator
+    idle (besides the first pair), and their medians; one save each could not tell 2 ms apart."""
     import statistics
     import subprocess
 
@@ -146,13 +148,22 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
             migrated_s = time.perf_counter() - t0
             manifest, index = engine.read_index(3, tier="shared")
             idle, busy = [], []
+            idle_stalls, busy_stalls = [idle_stall], [busy_stall]
             for r in range(rounds):
-                step = 10 + r
-                engine.save(step, state).wait()
-                got = steps_until(lambda s=step: s in engine.steps("shared"), at_least=5)
+                step = 10 + 3 * r
+                engine.save(step, state).wait()             # step migrates from here
+                t1 = time.perf_counter()
+                got = steps_until(lambda: mode != "daemon" or time.perf_counter() - t1 > 0.3, at_least=1)  # (its scan)
+                if step not in engine.steps("shared"):      # a save while it migrates
+                    busy_stalls.append(measure_saves(engine, state, device, 1, first_step=step + 1)[0]["stall_ms"])
+                else:
+                    engine.save(step + 1, state).wait()
+                got += steps_until(lambda s=step: {s, s + 1} <= set(engine.steps("shared")), at_least=5)
                 busy += got
-                migrated(engine, [step])
+                migrated(engine, [step, step + 1])
                 idle += steps_until(lambda: True, at_least=len(got))
+                idle_stalls.append(measure_saves(engine, state, device, 1, first_step=step + 2)[0]["stall_ms"])
+                migrated(engine, [step + 2])
     finally:
         if daemon is not None:
             daemon.terminate()
@@ -163,7 +174,9 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
             "train_step_slowdown_pct": round(100 * (busy_step / idle_step - 1), 1),
             "train_step_ms_idle_quartiles": quartiles(idle), "train_step_ms_migrating_quartiles": quartiles(busy),
             "train_steps_measured": {"idle": len(idle), "migrating": len(busy), "rounds": rounds},
-            "save_stall_ms_idle": idle_stall, "save_stall_ms_migrating": busy_stall,
+            "save_stall_ms_idle": round(statistics.median(idle_stalls), 2),
+            "save_stall_ms_migrating": round(statistics.median(busy_stalls), 2),
+            "save_stalls_ms": {"idle": idle_stalls, "migrating": busy_stalls},
             "seconds_to_shared_after_save": round(migrated_s, 2), "shared_codec": sorted({t.codec.name for t in index.tensors if t.chunks}),
             "shared_saved_pct": round(100 * manifest.saved_fraction, 2)}
 
@@ -478,7 +491,9 @@ def print_table(results: dict) -> None:
               f"({m['train_step_slowdown_pct']:+}%; medians of {m['train_steps_measured']['idle']} / "
               f"{m['train_steps_measured']['migrating']} steps, quartiles {m['train_step_ms_idle_quartiles']} / "
               f"{m['train_step_ms_migrating_quartiles']}); "
-              f"save() stall {m['save_stall_ms_idle']} ms idle / {m['save_stall_ms_migrating']} ms while migrating; "
+              f"save() stall {m['save_stall_ms_idle']} ms idle / {m['save_stall_ms_migrating']} ms while migrating "
+              f"(medians of {len(m['save_stalls_ms']['idle'])} / {len(m['save_stalls_ms']['migrating'])} saves: "
+              f"{m['save_stalls_ms']['idle']} / {m['save_stalls_ms']['migrating']}); "
               f"steps 3 and 4 on the shared tier {m['seconds_to_shared_after_save']} s after step 3's save()")
 
 
