@@ -279,6 +279,24 @@ def test_reserve_takes_a_state_or_a_size(tmp_path):
         assert torch.equal(engine.load(1)["w"], state["w"])
 
 
+def test_reserve_plans_the_state_so_its_first_save_does_not(tmp_path, monkeypatch):
+    import tiered.plan
+    state = {"w": torch.randn(1000), "tied": None, "opt": {"m": torch.randn(10), "step": 3}}
+    state["tied"] = state["w"]
+    made = []
+    real = tiered.plan.make_plan
+    monkeypatch.setattr(tiered.plan, "make_plan", lambda *a, **k: made.append(1) or real(*a, **k))
+    with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
+        engine.reserve(state)
+        assert len(made) == 1
+        engine.save(1, state).wait()
+        assert len(made) == 1, "the first save reused the plan reserve() made"
+        engine.save(2, {**state, "extra": torch.zeros(3)}).wait()
+        assert len(made) == 2, "another structure is planned again"
+        got = engine.load(1)
+    assert torch.equal(got["w"], state["w"]) and got["tied"] is got["w"]
+
+
 def test_host_pool_maps_what_the_kernel_grants(tmp_path):
     """Under an address-space limit (as strict overcommit accounting imposes), the pool maps the
     most it is granted, halving, and says so, rather than failing the engine."""

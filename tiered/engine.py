@@ -177,14 +177,13 @@ class Engine:
         bytes) now, in the background, rather than during the first save that needs it.
 
         Where CUDA is in use, a save whose compressed state does not fit the GPU slab drains
-        through pinned host memory, which is pinned as saves first need it (~0.3-0.5 s per GB, at
-        most `budgets.host_buffer`). That first save waits for it; calling this once at start-up,
-        once the state exists (an optimizer that creates its state at its first step: after it),
-        keeps that wait off the first save. A no-op without CUDA."""
+        through pinned host memory, pinned as saves first need it (~0.3-0.5 s per GB, at most
+        `budgets.host_buffer`). Call this once at start-up, once the state exists (an optimizer
+        that makes its state at its first step: after it), to keep that wait off the first save.
+        Given the state dict, it also plans its saves, which the first save would do in its call."""
         if not isinstance(state, int):
-            tensors = [leaf.tensor for leaf in tree.flatten(state)[1]]
-            self.workers.prepare(tensors)  # (the GPU side too: streams, the checksum kernel compiled)
-            state = sum(t.numel() * t.element_size() for t in tensors)
+            with self._api_lock, tree.collector_paused():
+                state = self.saves.reserve(state, plan=not self._distributed())
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
