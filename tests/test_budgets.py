@@ -233,6 +233,17 @@ def test_queued_host_writes_hold_no_object_per_piece():
 
 # --- on the GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
+def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_path):
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
+        engine.reserve(state)
+        assert engine.wait_pinned(300)
+        assert engine.workers.device(0).wait_warm(0), "the save kernels are compiled"
+        engine.save(1, state).wait()
+        assert torch.equal(engine.load(1)["w"], state["w"])
+
+
+@pytest.mark.gpu
 def test_auto_gpu_budget_is_logged_and_bounded_by_free_memory(tmp_path, caplog):
     state = {"w": torch.randn(32 << 20, device="cuda"), "b": torch.randn(1000, device="cuda").to(torch.bfloat16)}
     free = torch.cuda.mem_get_info()[0]

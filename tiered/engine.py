@@ -187,8 +187,9 @@ class Engine:
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
-        """Wait until the host staging memory wanted so far is pinned; True once it is."""
-        return self.workers.host.wait_pinned(timeout)
+        """Wait until the host staging memory wanted so far is pinned and the GPUs' save kernels are
+        compiled (`reserve`'s start-up work; `timeout` applies to each); True once both are."""
+        return self.workers.host.wait_pinned(timeout) & self.workers.wait_warm(timeout)
 
     def order_updates(self) -> None:
         """Order the current CUDA streams after every guarded save's reads of the state (what a

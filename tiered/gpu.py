@@ -142,7 +142,15 @@ class GpuDevice:
         self.writer_stream = torch.cuda.Stream(dev, priority=self.priority)
         # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
         # training, rather than inside the first save's drain.
-        threading.Thread(target=gpu_checksum.warm_up, args=(self.index,), name="tiered-warm-up", daemon=True).start()
+        self._warm_up = threading.Thread(target=gpu_checksum.warm_up, args=(self.index,), name="tiered-warm-up",
+                                         daemon=True)
+        self._warm_up.start()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until the checksum kernel is compiled (a first run on a machine compiles it for
+        seconds; later runs load it from Triton's cache); True once it is."""
+        self._warm_up.join(timeout)
+        return not self._warm_up.is_alive()
 
     @property
     def device(self) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -68,6 +69,14 @@ class Workers:
         if self.gpu_ready:
             for index in sorted({t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}):
                 self.device(index)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until every GPU device made so far has compiled its save kernels; True once all have."""
+        with self._lock:
+            devices = list(self._devices.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([d.wait_warm(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for d in devices])
 
     def close(self) -> None:
         """Stop the codec pool and let the GPU and host staging memory go (nothing may be staged)."""
