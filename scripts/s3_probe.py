@@ -1,14 +1,15 @@
 """tiered's S3 transfers against plain boto3, side by side on one local SeaweedFS (issue 15).
 
-    python3 scripts/s3_probe.py [--mb 36,320] [--tensors 600,300] [--trials 2]
+    python3 scripts/s3_probe.py [--mb 36,320] [--tensors 600,300] [--trials 2] [--codec zstd|none]
 
-For each size: a state of fp32 tensors (normal random values, as migrate_probe.py uses) saved
-with zstd on a local tier, then `baselines.s3_vs_boto3`: tiered migrates the step to S3 (data,
-index and manifest, every chunk's checksum verified; the second step, the client warm) against
-boto3 `upload_file` of the same data file with the same part size and concurrency; and back:
-tiered copies the step from S3 to a local tier (verified, O_DIRECT, fsync'd) against boto3
-`download_file` (and with an fsync after it: tiered's copy is durable when it returns). The
-source file is dropped from the page cache before each upload. A fresh server per trial. Needs boto3 and SeaweedFS's `weed` (the test extra).
+For each size: a state of fp32 tensors (normal random values, as migrate_probe.py uses) saved with
+zstd (or `--codec none`, where zstandard is not installed) on a local tier, then
+`baselines.s3_vs_boto3`: tiered migrates the step to S3 (data, index and manifest, every chunk's
+checksum verified; the second step, the client warm) against boto3 `upload_file` of the same data
+file with the same part size and concurrency; and back: tiered copies the step from S3 to a local
+tier (verified, O_DIRECT, fsync'd) against boto3 `download_file` (and with an fsync after it:
+tiered's copy is durable when it returns). The source file is dropped from the page cache before
+each upload. A fresh server per trial. Needs boto3 and SeaweedFS's `weed` (the test extra).
 No timing is asserted; docs/benchmarks.md quotes what it printed.
 """
 
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--mb", default="36,320", help="raw state sizes, MB (comma-separated)")
     ap.add_argument("--tensors", default="600,300", help="tensors per state, one per size")
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--codec", choices=("zstd", "none"), default="zstd", help="the saved step's codec")
     args = ap.parse_args()
     sizes = [float(x) for x in args.mb.split(",")]
     counts = [int(x) for x in args.tensors.split(",")]
@@ -47,7 +49,7 @@ def main() -> None:
         for trial in range(1, args.trials + 1):
             root = Path(tempfile.mkdtemp(prefix="tiered-s3-probe-"))
             try:
-                r = s3_vs_boto3(state, root)
+                r = s3_vs_boto3(state, root, args.codec)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             if r is None:
