@@ -454,3 +454,28 @@ def test_recompressed_chunks_are_gathered_padded_and_written_bit_exact(tmp_path)
         for c in (c for t in index.tensors for c in t.chunks):
             assert not any(data[c.offset + c.size:c.offset + c.extent])
         assert_same(state, engine.load(1, tier="shared"))
+
+
+def test_a_copy_reads_small_windows_first_then_doubles_them(tmp_path):
+    """A migration's first bytes reach the target after one small read, not after 64 MiB read and
+    verified: windows start at FIRST_WINDOW_BYTES and double up to WINDOW_BYTES."""
+    from tiered.cpu import FIRST_WINDOW_BYTES, WINDOW_BYTES, chunk_windows, file_order
+    from tiered.format import present_ranks
+
+    mib = 1 << 20
+    state = {f"t{i}": torch.arange(i, i + 6 * mib // 4, dtype=torch.float32) for i in range(40)}  # 240 MiB
+    cfg = {"tiers": [{"name": "nvme", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "none"}],
+           "migration": "external", "chunk_size": "1MiB"}
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        tier = engine.get_tier("nvme")
+        _, (index,) = present_ranks(tier, 1)
+        reader = tier.open_data_reader(1, index.data_file, device=False)
+        try:
+            sizes = [len(data) for _, data, _ in chunk_windows(file_order(index.tensors), reader)]
+        finally:
+            reader.close()
+    assert sum(sizes) == 240 * mib
+    assert sizes[:5] == [FIRST_WINDOW_BYTES, 2 * FIRST_WINDOW_BYTES, 4 * FIRST_WINDOW_BYTES, 8 * FIRST_WINDOW_BYTES,
+                         min(16 * FIRST_WINDOW_BYTES, WINDOW_BYTES)]
+    assert max(sizes) == WINDOW_BYTES

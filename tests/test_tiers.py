@@ -210,6 +210,25 @@ class TestS3Tier(TierContract):
         got = tier.client.get_object(Bucket=tier.bucket, Key="hinted/step_000000000001/rank_00000.data")["Body"].read()
         assert got == data
 
+    def test_parts_start_at_5_mib_and_double_up_to_the_part_size(self, s3_server, s3_bucket):
+        from tiered.tiers.s3 import S3Tier
+
+        mib = 1024 * 1024
+        tier = S3Tier("s3", s3_bucket, "ramp", endpoint_url=s3_server.endpoint_url, region="us-east-1",
+                      part_size=16 * mib, max_concurrency=4)
+        sizes: list[int] = []
+        tier.client.meta.events.register("provide-client-params.s3.UploadPart",
+                                         lambda params, **_: sizes.append(len(params["Body"])))
+        data = os.urandom(60 * mib + 4096)
+        tier.begin_step(1)
+        w = tier.open_data_writer(1, "rank_00000.data", device=False)
+        for off in range(0, len(data), 3 * mib):  # pieces that straddle the part boundaries
+            w.write_host(off, memoryview(data)[off:off + 3 * mib])
+        assert w.close() == len(data)
+        assert sizes == [5 * mib, 10 * mib, 16 * mib, 16 * mib, 13 * mib + 4096]
+        got = tier.client.get_object(Bucket=tier.bucket, Key="ramp/step_000000000001/rank_00000.data")["Body"].read()
+        assert got == data
+
     def test_a_large_range_is_read_as_parallel_pieces_exactly(self, tier):
         from tiered.tiers.s3 import READ_PIECE
 

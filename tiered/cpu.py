@@ -143,6 +143,10 @@ def joined_extents(extents: Sequence[memoryview], limit: int) -> Iterator[tuple[
 
 WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20
 """One read of a data file: up to this many chunks and bytes, lying end to end in it."""
+FIRST_WINDOW_BYTES = 4 << 20
+"""The first window's byte limit; each next one's doubles, up to WINDOW_BYTES. A copy's first
+bytes reach the target after a small read, not after 64 MiB read and verified (an S3 upload's
+first part waited ~0.2 s for it)."""
 READ_AHEAD_BYTES = 128 << 20
 """Bytes of windows read ahead of the one being processed (at least one window): reads of a
 remote tier (S3's GETs) overlap one another and the verifying and decoding."""
@@ -188,9 +192,12 @@ def chunk_windows(refs: Sequence[tuple[TensorRecord, int]], reader,
     windows: list[list[tuple[TensorRecord, int]]] = []
     sizes: list[int] = []
     end = 0
+    limit = FIRST_WINDOW_BYTES
     for ref in refs:
         c = ref[0].chunks[ref[1]]
-        if not windows or len(windows[-1]) >= WINDOW_CHUNKS or sizes[-1] + c.extent > WINDOW_BYTES or c.offset != end:
+        if not windows or len(windows[-1]) >= WINDOW_CHUNKS or sizes[-1] + c.extent > limit or c.offset != end:
+            if windows:
+                limit = min(2 * limit, WINDOW_BYTES)
             windows.append([])
             sizes.append(0)
         windows[-1].append(ref)

@@ -59,10 +59,12 @@ class S3DataWriter:
 
     def __init__(self, tier: "S3Tier", key: str, part_size: int):
         self.tier, self.key, self.part_size = tier, key, part_size
-        self._buf = bytearray(part_size)
+        self._buf = bytearray(min(part_size, _MIN_PART))
         """The part being filled: its first `_fill` bytes. Handed to the upload as it is when full
         (one copy per byte, from the caller's buffer into the part), and the next one started in
-        a buffer an earlier part has finished with (fresh memory costs a page fault per 4 KiB)."""
+        a buffer an earlier part has finished with (fresh memory costs a page fault per 4 KiB).
+        Parts start small and double up to `part_size` (S3 takes parts of any size from 5 MiB):
+        the first one goes out after 5 MiB written, not after a whole `part_size`."""
         self._free: list[bytearray] = []
         self._fill = 0
         self._end = 0
@@ -77,14 +79,15 @@ class S3DataWriter:
         src = memoryview(buf).cast("B")
         self._end += len(src)
         while len(src):
-            n = min(len(src), self.part_size - self._fill)
+            n = min(len(src), len(self._buf) - self._fill)
             self._buf[self._fill:self._fill + n] = src[:n]
             self._fill += n
             src = src[n:]
-            if self._fill == self.part_size:
+            if self._fill == len(self._buf):
                 part, self._fill = self._buf, 0
-                self._buf = self._free.pop() if self._free else bytearray(self.part_size)
-                self._submit(part, reuse=True)
+                size = min(2 * len(part), self.part_size)
+                self._buf = self._free.pop() if self._free and len(self._free[-1]) == size else bytearray(size)
+                self._submit(part, reuse=len(part) == self.part_size)
 
     def write_device(self, offset: int, buf: Any) -> None:
         raise TieredError(f"tier {self.tier.name!r} (S3) writes from host memory only")
