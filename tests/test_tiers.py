@@ -81,8 +81,8 @@ class TierContract:
     def test_discard_removes_uncommitted(self, tier):
         self.write_step(tier, 4, extents(1), commit=False)
         tier.discard(4)
-        with pytest.raises(CheckpointNotFoundError):
-            tier.open_data_reader(4, "rank_00000.data", device=False)
+        with pytest.raises(CheckpointNotFoundError):  # on opening (a file), or on the first read (S3: no HEAD)
+            tier.open_data_reader(4, "rank_00000.data", device=False).read_host(0, 4096)
 
     def test_delete_uncommits_first_then_removes(self, tier):
         self.write_step(tier, 8, extents(2))
@@ -228,6 +228,16 @@ class TestS3Tier(TierContract):
         assert sizes == [5 * mib, 10 * mib, 16 * mib, 16 * mib, 13 * mib + 4096]
         got = tier.client.get_object(Bucket=tier.bucket, Key="ramp/step_000000000001/rank_00000.data")["Body"].read()
         assert got == data
+
+    def test_a_read_is_one_round_trip(self, tier):
+        data = os.urandom(3 * 4096)
+        self.write_step(tier, 1, [data])
+        calls: list[str] = []
+        tier.client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+        r = tier.open_data_reader(1, "rank_00000.data", device=False)
+        assert bytes(r.read_host(4096, 4096)) == data[4096:8192]
+        assert calls == ["GetObject"]  # no HEAD first: a small step's copy from S3 is a few round trips
+        assert r.size == len(data) and calls == ["GetObject", "HeadObject"]  # asked for only where wanted
 
     def test_a_large_range_is_read_as_parallel_pieces_exactly(self, tier):
         from tiered.tiers.s3 import READ_PIECE

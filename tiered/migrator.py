@@ -2,8 +2,8 @@
 
 Call order for one step (`migrate_step`):
 
-    src.read_manifest(step) -> per rank: read + validate the index (pinned by the manifest)
-    dst.begin_step(step)    -> refuses a committed step; clears debris of an interrupted attempt
+    src.read_manifest(step) -> per rank: read + validate the index (pinned by the manifest), while
+    dst.begin_step(step)       refuses a committed step and clears debris of an interrupted attempt
     per rank, per tensor, in windows of chunks:
         src ranged read -> verify each chunk's checksum -> keep the chunk, or decode and re-encode it
         -> dst.open_data_writer(...).write_host(...) in file order
@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
 from typing import Any, Callable
 
 from tiered import checksum, threads
@@ -33,7 +33,8 @@ from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, Z
 from tiered.copy_rank import GpuRecoder, copy_rank, make_gpu_recoder, target_spec
 from tiered.cpu import read_chunk
 from tiered.errors import TieredError
-from tiered.format import MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_pinned
+from tiered.format import (MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_manifest,
+                           read_pinned, read_rank_index)
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.records import RecordLog, migrate_record, records_root
@@ -61,14 +62,21 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     if dst.has_step(step):
         return None
     t0 = time.perf_counter()
-    manifest, indexes = present_ranks(src, step)  # a step saved by one process: every rank, as read_step
+    manifest = read_manifest(src, step)
     if manifest.dcp is not None:
+        _, indexes = present_ranks(src, step)  # this node's ranks
         return _migrate_ranks(step, src, dst, manifest, indexes, codec=codec, settings=settings, pool=pool, gpu=gpu,
                               progress=progress)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
-    dst.begin_step(step)
+    # The target's start (on S3 a HEAD and two listings: round trips) runs while the indexes are
+    # read and validated; a step saved by one process has every rank's files here.
+    side = ThreadPoolExecutor(1, thread_name_prefix="tiered-begin")
+    begun = side.submit(dst.begin_step, step)
+    side.shutdown(wait=False)
     try:
+        indexes = [read_rank_index(src, step, entry) for entry in manifest.ranks]
+        begun.result()
         ranks, stored = [], 0
         for entry, index in zip(manifest.ranks, indexes):
             new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
@@ -82,6 +90,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
                                 writer=manifest.writer)
         dst.commit(step, new_manifest.to_json())
     except BaseException:
+        wait_futures([begun])  # then nothing of this attempt is left running on `dst`
         dst.discard(step)
         raise
     finally:

@@ -156,17 +156,34 @@ class S3DataWriter:
 
 
 class S3DataReader:
+    """Ranged reads of one object. Opening it makes no request: a copy's first GET is its first
+    round trip. The object's `size` is asked for (a HEAD) only where a caller wants it (a restore
+    checks it against the index first) or to word an error; a missing object or a short one
+    fails on the read that meets it."""
+
     io_mode = "s3-range"
 
     def __init__(self, tier: "S3Tier", key: str):
         self.tier, self.key = tier, key
         self.path = tier.url(key)
-        try:
-            self.size = int(tier.client.head_object(Bucket=tier.bucket, Key=key)["ContentLength"])
-        except Exception as exc:  # noqa: BLE001
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
-                raise CheckpointNotFoundError(f"{self.path}: data file is missing") from None
-            raise _client_error(exc, f"{self.path}: cannot read") from None
+        self._size: int | None = None
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            try:
+                self._size = int(self.tier.client.head_object(Bucket=self.tier.bucket, Key=self.key)["ContentLength"])
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(exc, "cannot read") from None
+        return self._size
+
+    def _error(self, exc: Exception, what: str) -> TieredError:
+        if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            return CheckpointNotFoundError(f"{self.path}: data file is missing")
+        return _client_error(exc, f"{self.path}: {what}")
+
+    def _truncated(self, offset: int, size: int) -> TieredError:
+        return TieredError(f"{self.path}: object is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
 
     def read_host(self, offset: int, size: int) -> memoryview:
         """Bytes [offset, offset + size): one ranged GET, or for a large range (a window of chunks
@@ -179,8 +196,8 @@ class S3DataReader:
     def read_into(self, offset: int, out: memoryview) -> None:
         """As `read_host`, into the caller's buffer."""
         size = len(out)
-        if offset + size > self.size:
-            raise TieredError(f"{self.path}: object is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
+        if self._size is not None and offset + size > self._size:
+            raise self._truncated(offset, size)
         if size < 2 * READ_PIECE or self.tier.max_concurrency < 2:
             if size:
                 self._get_range(offset, out)
@@ -201,9 +218,11 @@ class S3DataReader:
                 while done < size and (n := body.readinto(out[done:])):
                     done += n
         except Exception as exc:  # noqa: BLE001
-            raise _client_error(exc, f"{self.path}: ranged read failed") from None
+            if _code(exc) == "InvalidRange":  # the range starts past the object's end
+                raise self._truncated(offset, size) from None
+            raise self._error(exc, "ranged read failed") from None
         if done != size:
-            raise TieredError(f"{self.path}: ranged read returned {done} bytes, expected {size}")
+            raise self._truncated(offset, size)
 
     def read_device_async(self, offset: int, size: int, out: Any) -> Any:
         raise TieredError(f"tier {self.tier.name!r} (S3) reads into host memory only")
