@@ -24,6 +24,7 @@ finish, the next engine or `tiered migrate` resumes.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -177,6 +178,10 @@ def _child() -> int:
                                   lambda: make_gpu_recoder(config, None if gpu is None else int(gpu)),
                                   on_event=lambda kind, step, detail: say({kind: step, "error": detail}))
     migrator.scanned()
+    # This process's own start-up objects (torch's and botocore's modules, ~180,000) never become
+    # garbage: kept out of Python's full collections, which otherwise took 100-230 ms each on the
+    # 2-core machine in the middle of a step's copy (docs/benchmarks.md).
+    gc.freeze()
     if not migrator.active:
         say({"inactive": migrator.holder()})
         migrator.stop()
