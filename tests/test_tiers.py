@@ -275,6 +275,17 @@ class TestS3Tier(TierContract):
             tier.steps()
 
 
+def test_s3_part_buffers_are_reused_by_size_up_to_a_limit():
+    from tiered.tiers.s3 import PartBuffers
+
+    spare = PartBuffers(limit=30)
+    a, b, c = spare.take(10), spare.take(10), spare.take(20)
+    for buf in (a, b, c):
+        spare.give(buf)  # a and b kept (20 bytes); c would pass the limit: dropped
+    assert spare.take(10) is b and spare.take(10) is a
+    assert spare.take(20) is not c and len(spare.take(10)) == 10  # fresh ones once none is kept
+
+
 @pytest.mark.parametrize("hint, part_size, concurrency, expected", [
     (None, 64 << 20, 8, 64 << 20),                # no hint: the tier's part size
     (0, 64 << 20, 8, 64 << 20),

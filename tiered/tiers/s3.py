@@ -52,6 +52,35 @@ def _client_error(exc: Exception, what: str) -> TieredError:
     return TieredError(f"{what}: {code}{': ' + hint if hint else ''}")
 
 
+class PartBuffers:
+    """Part buffers kept between uploads, up to `limit` bytes: fresh memory costs a page fault per
+    4 KiB, which on the lent H100 machine made filling parts (one thread) the slower side of a
+    275 MB upload. The peak of an upload's own parts is what is kept (at most `max_concurrency`
+    + 1 parts of at most `part_size`), so a migrator keeps one upload's memory between steps.
+    Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free: dict[int, list[bytearray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            kept = self._free.get(size)
+            if kept:
+                self._bytes -= size
+                return kept.pop()
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        size = len(buf)
+        with self._lock:
+            if size and self._bytes + size <= self.limit:
+                self._free.setdefault(size, []).append(buf)
+                self._bytes += size
+
+
 class S3DataWriter:
     """Sequential writer of one object through a parallel multipart upload."""
 
@@ -59,13 +88,12 @@ class S3DataWriter:
 
     def __init__(self, tier: "S3Tier", key: str, part_size: int):
         self.tier, self.key, self.part_size = tier, key, part_size
-        self._buf = bytearray(min(part_size, _MIN_PART))
+        self._buf = tier.spare.take(min(part_size, _MIN_PART))
         """The part being filled: its first `_fill` bytes. Handed to the upload as it is when full
         (one copy per byte, from the caller's buffer into the part), and the next one started in
-        a buffer an earlier part has finished with (fresh memory costs a page fault per 4 KiB).
+        a buffer an earlier part, or an earlier object's, has finished with (`S3Tier.spare`).
         Parts start small and double up to `part_size` (S3 takes parts of any size from 5 MiB):
         the first one goes out after 5 MiB written, not after a whole `part_size`."""
-        self._free: list[bytearray] = []
         self._fill = 0
         self._end = 0
         self._upload_id: str | None = None
@@ -85,9 +113,8 @@ class S3DataWriter:
             src = src[n:]
             if self._fill == len(self._buf):
                 part, self._fill = self._buf, 0
-                size = min(2 * len(part), self.part_size)
-                self._buf = self._free.pop() if self._free and len(self._free[-1]) == size else bytearray(size)
-                self._submit(part, reuse=len(part) == self.part_size)
+                self._buf = self.tier.spare.take(min(2 * len(part), self.part_size))
+                self._submit(part, reuse=True)
 
     def write_device(self, offset: int, buf: Any) -> None:
         raise TieredError(f"tier {self.tier.name!r} (S3) writes from host memory only")
@@ -109,7 +136,7 @@ class S3DataWriter:
                 return {"PartNumber": number, "ETag": r["ETag"]}
             finally:
                 if reuse:
-                    self._free.append(part)  # its upload is over (retries included)
+                    self.tier.spare.give(part)  # its upload is over (retries included)
                 self._slots.release()
 
         self._parts.append(self.tier.pool.submit(upload))
@@ -141,7 +168,8 @@ class S3DataWriter:
         except Exception as exc:  # noqa: BLE001
             self.abort()
             raise _client_error(exc, f"{self.tier.url(self.key)}: upload failed") from None
-        self._buf, self._fill, self._free = bytearray(), 0, []
+        self.tier.spare.give(self._buf)
+        self._buf, self._fill = bytearray(), 0
         return self._end
 
     def abort(self) -> None:
@@ -273,6 +301,7 @@ class S3Tier:
             retries={"max_attempts": max_attempts, "mode": "adaptive"}, connect_timeout=timeout,
             read_timeout=timeout, max_pool_connections=max(10, 2 * max_concurrency)))
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3-{name}")
+        self.spare = PartBuffers((max_concurrency + 1) * part_size)
         # Reads get a pool of their own: a restore's ranged GETs never queue behind uploads.
         self.read_pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3r-{name}")
         self.root = self.url("")
