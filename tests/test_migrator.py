@@ -479,3 +479,20 @@ def test_a_copy_reads_small_windows_first_then_doubles_them(tmp_path):
     assert sizes[:5] == [FIRST_WINDOW_BYTES, 2 * FIRST_WINDOW_BYTES, 4 * FIRST_WINDOW_BYTES, 8 * FIRST_WINDOW_BYTES,
                          min(16 * FIRST_WINDOW_BYTES, WINDOW_BYTES)]
     assert max(sizes) == WINDOW_BYTES
+
+
+def test_a_migrator_keeps_its_read_windows_from_one_step_to_the_next(tmp_path):
+    from tiered.cpu import WindowBuffers
+
+    state = {f"t{i}": torch.randn(300_000, generator=torch.Generator().manual_seed(i)) for i in range(8)}
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        engine.save(1, state).wait()
+        engine.save(2, state).wait()
+        buffers = WindowBuffers()
+        for step in (1, 2):
+            assert migrate_step(step, engine.get_tier("nvme"), engine.get_tier("shared"), codec=None, buffers=buffers)
+            assert buffers.kept_bytes > 0  # the next step reads into this memory, not into fresh pages
+        engine.get_tier("nvme").delete(2)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert engine.restore(target, step=2) == 2  # from the shared tier: the copy is whole
+    assert_same(target, state)

@@ -281,6 +281,7 @@ def cmd_gc(args: argparse.Namespace, catalog: TierCatalog) -> int:
 def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
+    from tiered.cpu import WindowBuffers
     from tiered.migrator import (MigrationLock, apply_retention, background_threads, lower_priority, make_gpu_recoder,
                                  migrate_down, pending_steps)
 
@@ -303,6 +304,7 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
         if not args.full_speed:
             lower_priority()
         threads = (config.zstd.threads or None) if args.full_speed else background_threads()
+        buffers = WindowBuffers()  # read windows kept from one step to the next
         with ThreadPoolExecutor(max_workers=threads, initializer=None if args.full_speed else lower_priority,
                                 thread_name_prefix="tiered-codec") as pool:
             while True:
@@ -320,7 +322,7 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
                                                                   if catalog.get(n).has_step(step))), step)
                         bar = Progress(f"step {step}", manifest.raw_bytes * (len(catalog.names) - 1),
                                        enabled=not args.quiet)
-                        migrate_down(step, config, catalog.get, pool=pool, gpu=gpu, progress=bar)
+                        migrate_down(step, config, catalog.get, pool=pool, gpu=gpu, progress=bar, buffers=buffers)
                         bar.finish()
                     except (TieredError, OSError) as exc:
                         failures += 1

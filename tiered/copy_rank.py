@@ -38,7 +38,8 @@ def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
     return get_codec_class(codec).spec_for(rec.torch_dtype)
 
 
-def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress) -> RankIndex:
+def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress,
+              buffers: WindowBuffers | None = None) -> RankIndex:
     reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
     # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
     writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
@@ -48,7 +49,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     chunks: dict[int, bytearray] = {rec.index: bytearray() for rec in ordered}  # (packed rows: see ChunkTable)
     row = ChunkTable.ROW.pack
     out = _Batches(writer)
-    buffers = WindowBuffers()
+    buffers = buffers if buffers is not None else WindowBuffers()
     end = 0
     try:
         i = 0

@@ -173,6 +173,12 @@ class WindowBuffers:
                 return memoryview(buf)[:size]
         return memoryview(bytearray(size))
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the buffers kept for the next reads."""
+        with self._lock:
+            return sum(len(b) for b in self._free)
+
     def give(self, view: memoryview) -> None:
         """Return a buffer `take` gave; its bytes may be overwritten by the next read at once.
         At most `KEEP` are kept, the largest (windows of a data file are mostly the largest size)."""

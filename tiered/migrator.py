@@ -31,7 +31,7 @@ from tiered import checksum, threads
 from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
 from tiered.copy_rank import GpuRecoder, copy_rank, make_gpu_recoder, target_spec
-from tiered.cpu import read_chunk
+from tiered.cpu import WindowBuffers, read_chunk
 from tiered.errors import TieredError
 from tiered.format import (MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_manifest,
                            read_pinned, read_rank_index)
@@ -49,7 +49,7 @@ log = logging.getLogger("tiered")
 
 def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: ZstdSettings = ZstdSettings(),
                  pool: ThreadPoolExecutor | None = None, gpu: "GpuRecoder | None" = None,
-                 progress: Callable[[int], None] | None = None) -> Manifest | None:
+                 progress: Callable[[int], None] | None = None, buffers: WindowBuffers | None = None) -> Manifest | None:
     """Copy committed `step` from tier `src` to tier `dst`, storing chunks with `codec` there
     (None: every tensor keeps its codec; the chunks are copied as they are).
 
@@ -58,6 +58,8 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     CPU encoder; everything else runs on the CPU pool. Without it, recompressing from or to such
     a codec is an error.
     `progress(n)` is called with the raw bytes of each window of chunks done.
+    `buffers`: the read windows' memory, kept from one step to the next by a caller that migrates
+    many (fresh memory costs a page fault per 4 KiB); None: this step's own.
     """
     if dst.has_step(step):
         return None
@@ -66,7 +68,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     if manifest.dcp is not None:
         _, indexes = present_ranks(src, step)  # this node's ranks
         return _migrate_ranks(step, src, dst, manifest, indexes, codec=codec, settings=settings, pool=pool, gpu=gpu,
-                              progress=progress)
+                              progress=progress, buffers=buffers)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
     # The target's start (on S3 a HEAD and two listings: round trips) runs while the indexes are
@@ -79,7 +81,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
         begun.result()
         ranks, stored = [], 0
         for entry, index in zip(manifest.ranks, indexes):
-            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
+            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers)
             raw_index = new_index.to_json()
             dst.write_file(step, entry.index_file, raw_index)
             stored += sum(t.stored_bytes for t in new_index.tensors)
@@ -102,7 +104,7 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
 
 
 def _migrate_ranks(step: int, src: Any, dst: Any, manifest: Manifest, indexes: list[RankIndex], *, codec, settings,
-                   pool, gpu, progress) -> Manifest | None:
+                   pool, gpu, progress, buffers) -> Manifest | None:
     """Migrate a step saved through DCP: copy the ranks whose files `src` holds (`indexes`: this
     node's), then commit on `dst` if every rank's files are there by now. Nodes do this
     independently; whichever finishes last commits (the same bytes, whoever writes them)."""
@@ -116,7 +118,7 @@ def _migrate_ranks(step: int, src: Any, dst: Any, manifest: Manifest, indexes: l
                 continue  # copied by an earlier attempt: an index is written after its data file
             dst.begin_rank(step, index.rank)
             begun.append(index.rank)
-            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress)
+            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers)
             dst.write_file(step, index_file_name(index.rank), new_index.to_json())
         if dst.file_size(step, manifest.dcp.name) != manifest.dcp.size:
             dst.write_file(step, manifest.dcp.name, read_pinned(src, step, manifest.dcp))
@@ -227,9 +229,11 @@ def pending_steps(config: Any, get_tier: Callable[[str], Any]) -> list[int]:
 
 
 def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool: ThreadPoolExecutor,
-                 gpu: GpuRecoder | None, progress: Callable[[int], None] | None = None) -> int:
+                 gpu: GpuRecoder | None, progress: Callable[[int], None] | None = None,
+                 buffers: WindowBuffers | None = None) -> int:
     """Copy `step` down every hop it is missing from (each tier from the one above it, so it is
-    recompressed once, where the codec changes). Returns the number of copies made."""
+    recompressed once, where the codec changes). Returns the number of copies made. `buffers`:
+    as for `migrate_step`."""
     made, records = 0, RecordLog(records_root(config))
     by_name = {t.name: t for t in config.tiers}
     names = [t.name for t in config.tiers]
@@ -240,7 +244,7 @@ def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool
         codec = choose_tier_codec(step, src, by_name[lower], dst, settings=config.zstd, pool=pool, gpu=gpu)
         t0 = time.perf_counter()
         manifest = migrate_step(step, src, dst, codec=codec, settings=config.zstd, pool=pool, gpu=gpu,
-                                progress=progress)
+                                progress=progress, buffers=buffers)
         if manifest is not None:
             made += 1
             records.append(migrate_record(manifest, upper, lower, time.perf_counter() - t0, [codec] if codec else []))
@@ -385,6 +389,7 @@ class BackgroundMigrator(MigrationLedger):
         # Training owns the machine: a quarter of the cores, at lower CPU priority (measured:
         # migrating with every core slowed a training step by half; docs/benchmarks.md).
         self._pool = threads.pool(background_threads(), "tiered-migrate", lower_priority)
+        self._buffers = WindowBuffers()  # read windows kept between steps (at most WindowBuffers.KEEP)
         self._make_gpu = make_gpu
         self._queue: "queue.Queue[int | None]" = queue.Queue()
         self._failures: dict[int, int] = {}
@@ -443,7 +448,7 @@ class BackgroundMigrator(MigrationLedger):
             try:
                 if gpu is False:
                     gpu = self._make_gpu()
-                migrate_down(step, self._config, self._get_tier, pool=self._pool, gpu=gpu)
+                migrate_down(step, self._config, self._get_tier, pool=self._pool, gpu=gpu, buffers=self._buffers)
             except BaseException as exc:  # noqa: BLE001 - the step stays on the faster tiers
                 n = self._failures[step] = self._failures.get(step, 0) + 1
                 delay = retry_delay(n)
