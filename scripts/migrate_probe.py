@@ -2,7 +2,8 @@
 recompressed to zstd (source codec none, or ans from GPU tensors where a GPU and nvCOMP are
 present: decoded on the GPU) or kept (source zstd), as 8 or 2,000 tensors, with the CPU threads a
 background migrator uses (or as many as given), beside the zstd encode ceiling of those threads on
-the same data.
+the same data, and the same run's O_DIRECT write and read ceilings of the disk under `--dir` (4
+threads of 16 MiB requests: issue 15's target for a plain copy is 90% of the write ceiling).
 
     python3 scripts/migrate_probe.py [THREADS] [--dir D] [--mb 256] [--paths none,zstd,ans]
 
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from baselines import disk_ceilings  # noqa: E402
 import tiered  # noqa: E402
 from tiered.codecs import get_codec  # noqa: E402
 from tiered.config import ZstdSettings  # noqa: E402
@@ -66,6 +69,10 @@ chunks = [memoryview(x[i:i + (1 << 20)]) for i in range(0, len(x), 1 << 20)]
 with ThreadPoolExecutor(threads) as pool:
     t0 = time.perf_counter(); list(pool.map(codec.encode_chunk, chunks)); enc = len(x) / (time.perf_counter() - t0) / 1e9
 print(f"threads {threads}: zstd encode ceiling {enc:.3f} GB/s")
+disk = disk_ceilings(Path(root) / "ceiling", min(total_mb << 20, 1 << 30))
+shutil.rmtree(Path(root) / "ceiling", ignore_errors=True)
+print(f"disk under {root}: O_DIRECT write {disk['write_gbps']} GB/s, read {disk['read_gbps']} GB/s "
+      f"({disk['threads']} threads, {disk['block_mib']} MiB, O_DIRECT {disk['o_direct']})")
 gpu = make_gpu_recoder(tiered.config.load_config(None)) if gpu_stack_available() else None
 for src in paths:
     if src == "ans" and gpu is None:

@@ -11,6 +11,7 @@ codec sampling (`GpuRecoder`, `make_gpu_recoder`).
 from __future__ import annotations
 
 import mmap
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -218,12 +219,15 @@ overlaps verifying the next."""
 
 
 class _Batches:
-    """The target's writes, in order, behind on a thread of their own. Single chunks are copied
-    at once (numpy copies, without the GIL) into page-aligned gather buffers of WRITE_BATCH bytes,
-    reused once written, and written as one request each (a chunk at a time would be one system
-    call, or one S3 buffer append, per MiB; O_DIRECT needs no bounce copy of an aligned buffer);
-    an extent handed over with `done` (a window of kept chunks) is written as it is. Call
-    `finish` (or `abort`, after a failure) before closing the writer."""
+    """The target's writes, behind the caller. Single chunks are copied at once (numpy copies,
+    without the GIL) into page-aligned gather buffers of WRITE_BATCH bytes, reused once written,
+    and written as one request each (a chunk at a time would be one system call, or one S3 buffer
+    append, per MiB; O_DIRECT needs no bounce copy of an aligned buffer); an extent handed over
+    with `done` (a window of kept chunks) is written as it is. A writer that writes host extents
+    on threads of its own (`write_host_async`: a file tier's large O_DIRECT pieces in parallel)
+    is handed them at once; any other (S3, which takes bytes in order) gets them in order on one
+    thread. At most WRITE_BEHIND_BYTES are handed over and not yet written. Call `finish` (or
+    `abort`, after a failure) before closing the writer: the writer's close raises what failed."""
 
     def __init__(self, writer: Any):
         self.writer = writer
@@ -231,9 +235,13 @@ class _Batches:
         """The gather buffer being filled: bytes [start, start + size) of the file."""
         self.start, self.size = 0, 0
         self._free: list[np.ndarray] = []
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="tiered-write")
+        self._async = getattr(writer, "write_host_async", None)
+        self._io = None if self._async is not None else ThreadPoolExecutor(1, thread_name_prefix="tiered-write")
         self._pending: deque[tuple[Future, int]] = deque()
         self._pending_bytes = 0
+        self._inflight = 0
+        """Bytes handed to `write_host_async` and not yet written."""
+        self._landed = threading.Condition()
 
     def add(self, offset: int, data: Any, done: Callable[[], None] | None = None, pad: int = 0) -> None:
         """Write `data`, then `pad` zero bytes, at `offset`. With `done` (and no `pad`), `data`
@@ -267,6 +275,9 @@ class _Batches:
             self._buf, self.size = None, 0
 
     def _write(self, offset: int, data: memoryview, done: Callable[[], None] | None = None) -> None:
+        if self._async is not None:
+            self._write_async(offset, data, done)
+            return
         while self._pending and self._pending_bytes + len(data) > WRITE_BEHIND_BYTES:
             self._wait_one()  # backpressure; a failed write raises here
 
@@ -277,6 +288,22 @@ class _Batches:
 
         self._pending.append((self._io.submit(write), len(data)))
         self._pending_bytes += len(data)
+
+    def _write_async(self, offset: int, data: memoryview, done: Callable[[], None] | None) -> None:
+        n = len(data)
+        with self._landed:
+            while self._inflight and self._inflight + n > WRITE_BEHIND_BYTES:
+                self._landed.wait()  # backpressure
+            self._inflight += n
+
+        def landed() -> None:  # called once the extent is written, or has failed
+            with self._landed:
+                self._inflight -= n
+                self._landed.notify_all()
+            if done is not None:
+                done()
+
+        self._async(offset, data, landed)
 
     def _wait_one(self) -> None:
         future, n = self._pending.popleft()
@@ -296,8 +323,12 @@ class _Batches:
         """Wait for the writes under way (their failures are not raised) and stop the thread."""
         for future, _ in self._pending:
             future.cancel()
-        self._io.shutdown(wait=True)
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         self._pending.clear()
+        with self._landed:
+            while self._inflight:
+                self._landed.wait()
 
 
 def tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings: ZstdSettings,
