@@ -303,7 +303,11 @@ class _Batches:
             if done is not None:
                 done()
 
-        self._async(offset, data, landed)
+        try:
+            self._async(offset, data, landed)
+        except BaseException:  # refused before it was queued: `landed` will not be called for it
+            landed()
+            raise
 
     def _wait_one(self) -> None:
         future, n = self._pending.popleft()
