@@ -71,11 +71,10 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
                               progress=progress, buffers=buffers)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
-    # The target's start (on S3 a HEAD and two listings: round trips) runs while the indexes are
-    # read and validated; a step saved by one process has every rank's files here.
-    side = ThreadPoolExecutor(1, thread_name_prefix="tiered-begin")
-    begun = side.submit(dst.begin_step, step)
-    side.shutdown(wait=False)
+    # The target's start (on S3 a HEAD and two listings: round trips) runs on the pool, idle until
+    # the copy, while the indexes are read and validated; a step saved by one process has every
+    # rank's files here.
+    begun = pool.submit(dst.begin_step, step)
     try:
         indexes = [read_rank_index(src, step, entry) for entry in manifest.ranks]
         begun.result()
