@@ -295,9 +295,16 @@ class RankIndex:
         head = _dumps(doc)
         # Chunk tables are written as text rather than built as lists for json: an index of tens
         # of thousands of chunks made as many lists (see ChunkTable). The JSON is the same.
-        tensors = ",".join(_dumps({
-            "index": t.index, "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "device": t.device,
-            "numpy": t.is_numpy, "codec": t.codec.to_json()})[:-1] + ',"chunks":' + t.chunks.to_json() + "}"
+        # Each tensor's object is assembled as text too (json.dumps of a dict per tensor was most of
+        # the time), the strings through json.dumps; the bytes are the same as json.dumps would make.
+        codecs: dict[CodecSpec, str] = {}
+        for t in self.tensors:
+            if t.codec not in codecs:
+                codecs[t.codec] = _dumps(t.codec.to_json())
+        tensors = ",".join(
+            f'{{"index":{t.index},"name":{_dumps(t.name)},"dtype":{_dumps(t.dtype)},'
+            f'"shape":[{",".join(map(str, t.shape))}],"device":{_dumps(t.device)},'
+            f'"numpy":{"true" if t.is_numpy else "false"},"codec":{codecs[t.codec]},"chunks":{t.chunks.to_json()}}}'
             for t in self.tensors)
         return (head[:-len('[]}')] + "[" + tensors + "]}").encode()
 
@@ -334,8 +341,12 @@ class RankIndex:
                    version=doc["version"])
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+"""Made once: json.dumps with options builds an encoder per call (~1 us; an index calls it per tensor)."""
+
+
 def _dumps(doc: Any) -> str:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    return _ENCODER.encode(doc)
 
 
 @dataclass(frozen=True)
@@ -462,6 +473,8 @@ def _load_json(raw: bytes, source: str, kind: str, versions: tuple[int, ...] = (
 class _Validator:
     def __init__(self, source: str):
         self.source = source
+        self._codecs: dict[tuple[str, tuple[tuple[str, type, Any], ...]], CodecSpec] = {}
+        """Codec descriptions already checked: an index of thousands of tensors has a few."""
 
     def int(self, doc: Mapping[str, Any], key: str, lo: int, hi: int, where: str = "") -> int:
         val = doc.get(key) if isinstance(doc, Mapping) else None
@@ -495,21 +508,10 @@ class _Validator:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise FormatError(f"{self.source}: {where}unknown dtype {dtype!r}")
         shape = t.get("shape")
-        if not isinstance(shape, list) or len(shape) > 64 or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 48 for d in shape):
+        # type() rather than isinstance(): bool is not an int here (this runs per tensor).
+        if type(shape) is not list or len(shape) > 64 or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape):
             raise FormatError(f"{self.source}: {where}bad shape {str(shape)[:80]}")
-        codec = t.get("codec")
-        if not isinstance(codec, dict) or not isinstance(codec.get("name"), str) \
-                or not isinstance(codec.get("configuration", {}), dict) or not all(
-                    isinstance(k, str) and isinstance(v, (str, int, float, bool))
-                    for k, v in codec.get("configuration", {}).items()):
-            raise FormatError(f"{self.source}: {where}bad codec description {str(codec)[:80]}")
-        try:
-            check_codec_spec(CodecSpec.of(codec["name"], **codec.get("configuration", {})))
-        except KeyError:
-            raise FormatError(f"{self.source}: {where}unknown codec {codec['name']!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise FormatError(f"{self.source}: {where}bad {codec['name']} configuration: {exc}") from None
+        spec = self.codec(t.get("codec"), where)
         chunks_raw = self.list(t, "chunks", where)
         chunks: list[ChunkRecord] = []
         for j, c in enumerate(chunks_raw):
@@ -529,15 +531,36 @@ class _Validator:
             end = off + extent
             chunks.append(ChunkRecord(off, size, raw_size, crc_value))
         rec = TensorRecord(index=self.int(t, "index", 0, 1 << 31), name=name, dtype=dtype, shape=tuple(shape),
-                           device=str(t.get("device", "cpu")), is_numpy=bool(t.get("numpy", False)),
-                           codec=CodecSpec.of(codec["name"], **codec.get("configuration", {})),
+                           device=str(t.get("device", "cpu")), is_numpy=bool(t.get("numpy", False)), codec=spec,
                            chunks=ChunkTable(chunks))
-        expected = -(-rec.nbytes // chunk_size)
-        if len(chunks) != expected or sum(c.raw_size for c in chunks) != rec.nbytes or any(
+        nbytes = rec.nbytes
+        expected = -(-nbytes // chunk_size)
+        # Every chunk but the last is whole, and the last holds the rest.
+        if len(chunks) != expected or (expected and chunks[-1].raw_size != nbytes - (expected - 1) * chunk_size) or any(
                 c.raw_size != chunk_size for c in chunks[:-1]):
-            raise FormatError(f"{self.source}: {where}{len(chunks)} chunks do not cover {rec.nbytes} bytes "
+            raise FormatError(f"{self.source}: {where}{len(chunks)} chunks do not cover {nbytes} bytes "
                               f"in chunks of {chunk_size} (expected {expected})")
         return rec, end
+
+    def codec(self, codec: Any, where: str) -> CodecSpec:
+        """A tensor's codec description, checked against CODEC_PARAMETERS (each distinct one once)."""
+        conf = codec.get("configuration", {}) if type(codec) is dict else None
+        if type(conf) is not dict or not isinstance(codec.get("name"), str) or not all(
+                isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in conf.items()):
+            raise FormatError(f"{self.source}: {where}bad codec description {str(codec)[:80]}")
+        # The type of each value is in the key: True == 1 and 1 == 1.0, yet only an int is allowed.
+        key = (codec["name"], tuple(sorted((k, type(v), v) for k, v in conf.items())))
+        spec = self._codecs.get(key)
+        if spec is None:
+            try:
+                spec = CodecSpec.of(codec["name"], **conf)
+                check_codec_spec(spec)
+            except KeyError:
+                raise FormatError(f"{self.source}: {where}unknown codec {codec['name']!r}") from None
+            except (TypeError, ValueError) as exc:
+                raise FormatError(f"{self.source}: {where}bad {codec['name']} configuration: {exc}") from None
+            self._codecs[key] = spec
+        return spec
 
 
 def read_manifest(tier: Any, step: int) -> Manifest:
