@@ -58,6 +58,46 @@ def test_copy_down_and_restore_from_each_tier(tmp_path, s3_server, s3_bucket, co
         assert_same(state, target)
 
 
+def test_a_copy_from_s3_fetches_the_data_while_the_index_is_read(tmp_path, s3_server, s3_bucket, monkeypatch):
+    import threading
+
+    from tiered.format import RankIndex
+    from tiered.tiers import LocalTier
+
+    state = mixed_state("cpu", seed=3)
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd", s3_server, s3_bucket)) as engine:
+        engine.save(4, state).wait()
+        s3 = engine.get_tier("s3")
+        migrate_step(4, engine.get_tier("nvme"), s3, codec=None)
+        data_gets: list[str] = []
+        fetching = threading.Event()
+
+        def get(params, **_):
+            if params["Key"].endswith(".data"):
+                data_gets.append(params["Range"])
+                fetching.set()
+
+        s3.client.meta.events.register("provide-client-params.s3.GetObject", get)
+        parse = RankIndex.from_json
+
+        def parse_once_fetching(raw, source):  # the data's GETs have gone out before the index is parsed
+            assert fetching.wait(30), "no GET of the data file before its index was parsed"
+            return parse(raw, source)
+
+        monkeypatch.setattr(RankIndex, "from_json", staticmethod(parse_once_fetching))
+        back = LocalTier("back", tmp_path / "back")
+        migrate_step(4, s3, back, codec=None)
+        monkeypatch.setattr(RankIndex, "from_json", parse)
+        size = s3.client.head_object(Bucket=s3.bucket, Key="run-1/step_000000000004/rank_00000.data")["ContentLength"]
+        assert size < 8 << 20 and len(data_gets) == min(s3.max_concurrency, -(-size // (1 << 20))), \
+            "a small data file is fetched once, one GET per connection"
+        assert (tmp_path / "back" / "step_000000000004" / "rank_00000.data").read_bytes() == \
+            (tmp_path / "nvme" / "step_000000000004" / "rank_00000.data").read_bytes()
+    with tiered.Engine.from_config({"tiers": [{"name": "back", "kind": "local", "path": str(tmp_path / "back")}],
+                                    "migration": "external"}) as restored:
+        assert_same(state, restored.load(4))
+
+
 def test_migration_is_idempotent_and_deterministic(tmp_path):
     with tiered.Engine.from_config(cluster(tmp_path, "none")) as engine:
         engine.save(1, {"w": torch.randn(700_000), "meta": {"step": 1}}).wait()

@@ -37,6 +37,20 @@ class TierContract:
             return [o["Key"] for o in tier.client.list_objects_v2(Bucket=tier.bucket).get("Contents", ())]
         return [os.path.join(d, f) for d, _, files in os.walk(tier.root) for f in files]
 
+    def test_a_prefetched_range_reads_the_same_bytes(self, tier):
+        data = os.urandom(6 * 4096)
+        self.write_step(tier, 1, [data])
+        r = tier.open_data_reader(1, "rank_00000.data", device=False)
+        head = memoryview(bytearray(3 * 4096))
+        taken = r.prefetch(4096, head)  # a remote tier fetches it now; a file declines
+        assert taken or not any(head)
+        assert bytes(r.read_host(4096, 4096)) == data[4096:8192]  # inside it
+        assert bytes(r.read_host(2 * 4096, 3 * 4096)) == data[2 * 4096:5 * 4096]  # from inside it past its end
+        assert bytes(r.read_host(0, 2 * 4096)) == data[:2 * 4096]  # from before it
+        r.close()
+        if taken:
+            assert bytes(head) == data[4096:4 * 4096]  # written, and left alone once closed
+
     def test_empty(self, tier):
         assert tier.steps() == [] and not tier.has_step(1)
         with pytest.raises(CheckpointNotFoundError):
@@ -257,6 +271,35 @@ class TestS3Tier(TierContract):
         assert bytes(out[:len(data) - 4096 - 5]) == data[4096:-5] and not any(out[len(data) - 4096 - 5:])
         with pytest.raises(TieredError, match="truncated"):
             r.read_host(len(data) - 10, 11)
+
+    def test_a_prefetch_goes_out_one_get_per_connection_and_is_not_read_twice(self, tier):
+        mib = 1024 * 1024
+        data = os.urandom(5 * mib + 4096)
+        tier.begin_step(1)
+        w = tier.open_data_writer(1, "rank_00000.data", device=False, size_hint=len(data))
+        w.write_host(0, memoryview(data))
+        w.close()
+        ranges: list[str] = []
+        tier.client.meta.events.register("provide-client-params.s3.GetObject",
+                                         lambda params, **_: ranges.append(params["Range"]))
+        r = tier.open_data_reader(1, "rank_00000.data", device=False)
+        head = memoryview(bytearray(4 * mib))
+        assert r.prefetch(0, head)
+        # max_concurrency 3: three GETs of 2 MiB (pieces are whole MiB), the last one short.
+        assert bytes(r.read_host(mib, 2 * mib)) == data[mib:3 * mib]
+        assert bytes(r.read_host(3 * mib, 2 * mib + 4096)) == data[3 * mib:]  # past the prefetch: one GET more
+        r.close()
+        assert sorted(ranges) == sorted([f"bytes=0-{2 * mib - 1}", f"bytes={2 * mib}-{4 * mib - 1}",
+                                         f"bytes={4 * mib}-{5 * mib + 4095}"])
+
+    def test_a_prefetch_past_the_end_fails_the_read_that_needs_it(self, tier):
+        data = os.urandom(2 * 4096)
+        self.write_step(tier, 1, [data])
+        r = tier.open_data_reader(1, "rank_00000.data", device=False)
+        r.prefetch(0, memoryview(bytearray(3 * 4096)))  # the manifest said more than the object holds
+        with pytest.raises(TieredError, match="truncated"):
+            r.read_host(0, 3 * 4096)
+        r.close()  # waits for the GETs, raises nothing more
 
     def test_wrong_credentials_fail_fast_with_a_clear_message(self, s3_server, s3_bucket, monkeypatch):
         from tiered.tiers.s3 import S3Tier

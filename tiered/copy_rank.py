@@ -23,7 +23,7 @@ import torch
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
 from tiered.checksum import wsum64
-from tiered.cpu import WindowBuffers, chunk_windows, decode_into, read_chunk, verified
+from tiered.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decode_into, read_chunk, verified
 from tiered.errors import CodecUnavailableError
 from tiered.format import ALIGNMENT, ChunkTable, CodecSpec, RankIndex, TensorRecord
 from tiered.runtime import gpu_stack_available
@@ -39,9 +39,37 @@ def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
     return get_codec_class(codec).spec_for(rec.torch_dtype)
 
 
+class Prefetched:
+    """A reader of one rank's data file whose first bytes (up to a window, `WINDOW_BYTES`) a remote
+    tier starts fetching as soon as the manifest names the file (`DataReader.prefetch`), while
+    the rank's index is still being read and parsed; `copy_rank` then reads through it. Its
+    buffer is one of `buffers`, given back by `close()`."""
+
+    def __init__(self, src: Any, step: int, data_file: str, data_bytes: int, buffers: WindowBuffers):
+        self._buffers, self._head = buffers, None
+        self.reader = src.open_data_reader(step, data_file, device=False) if data_bytes else None
+        if self.reader is not None:
+            head = buffers.take(min(data_bytes, WINDOW_BYTES))
+            if self.reader.prefetch(0, head):
+                self._head = head
+            else:
+                buffers.give(head)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()  # waits for the prefetch's reads
+            self.reader = None
+        if self._head is not None:
+            self._buffers.give(self._head)
+            self._head = None
+
+
 def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress,
-              buffers: WindowBuffers | None = None) -> RankIndex:
-    reader = src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
+              buffers: WindowBuffers | None = None, prefetched: Prefetched | None = None) -> RankIndex:
+    """`prefetched`: the caller's reader of this rank's data file (it closes it); None: one of its own."""
+    own_reader = prefetched is None
+    reader = prefetched.reader if prefetched is not None else \
+        src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
     # The source's size: exact when chunks are kept, close when recompressed (S3 sizes its parts by it).
     writer = dst.open_data_writer(step, index.data_file, device=False, size_hint=index.data_bytes)
     # File order: tensors without chunks first, then by first chunk offset (as the engine writes).
@@ -84,7 +112,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
         writer.abort()
         raise
     finally:
-        if reader is not None:
+        if reader is not None and own_reader:
             reader.close()
     records = tuple(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape, device=rec.device,
                                  is_numpy=rec.is_numpy, codec=spec, chunks=ChunkTable.packed(chunks[rec.index]))

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from tiered import checksum, threads
 from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
-from tiered.copy_rank import GpuRecoder, copy_rank, make_gpu_recoder, target_spec
+from tiered.copy_rank import GpuRecoder, Prefetched, copy_rank, make_gpu_recoder, target_spec
 from tiered.cpu import WindowBuffers, read_chunk
 from tiered.errors import TieredError
 from tiered.format import (MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_manifest,
@@ -71,16 +71,20 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
                               progress=progress, buffers=buffers)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(thread_name_prefix="tiered-migrate")
+    buffers = buffers if buffers is not None else WindowBuffers()
     # The target's start (on S3 a HEAD and two listings: round trips) runs on the pool, idle until
-    # the copy, while the indexes are read and validated; a step saved by one process has every
-    # rank's files here.
+    # the copy, and a remote source starts fetching the first rank's data, while the indexes are
+    # read and validated; a step saved by one process has every rank's files here.
     begun = pool.submit(dst.begin_step, step)
+    first = Prefetched(src, step, manifest.ranks[0].data_file, manifest.ranks[0].data_bytes, buffers) \
+        if manifest.ranks else None
     try:
         indexes = [read_rank_index(src, step, entry) for entry in manifest.ranks]
         begun.result()
         ranks, stored = [], 0
-        for entry, index in zip(manifest.ranks, indexes):
-            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers)
+        for i, (entry, index) in enumerate(zip(manifest.ranks, indexes)):
+            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers,
+                                  first if i == 0 else None)
             raw_index = new_index.to_json()
             dst.write_file(step, entry.index_file, raw_index)
             stored += sum(t.stored_bytes for t in new_index.tensors)
@@ -95,6 +99,8 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
         dst.discard(step)
         raise
     finally:
+        if first is not None:
+            first.close()
         if own_pool:
             pool.shutdown()
     log.info("tiered: step %d migrated %s -> %s: %s stored (%.1f%% saved) in %.2f s", step, src.name, dst.name,

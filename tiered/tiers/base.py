@@ -64,6 +64,12 @@ class DataReader(Protocol):
     def read_into(self, offset: int, out: memoryview) -> None:
         """Bytes [offset, offset + len(out)) into the caller's buffer."""
 
+    def prefetch(self, offset: int, out: memoryview) -> bool:
+        """A hint from a caller that will read bytes [offset, offset + len(out)) soon: a tier
+        whose reads are slow to start (S3) begins fetching them into `out` now, serves later reads
+        of that range from it, and returns True; `out` is then the reader's until `close()`.
+        Others return False and leave `out` alone."""
+
     def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> Any:
         """Start a read into GPU memory; returns a future with done() and get()."""
 
@@ -154,6 +160,9 @@ class HostStagedReader:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         self._reader.read_into(offset, out)
+
+    def prefetch(self, offset: int, out: memoryview) -> bool:
+        return self._reader.prefetch(offset, out)
 
     def close(self) -> None:
         self._reader.close()

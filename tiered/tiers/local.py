@@ -341,6 +341,10 @@ class LocalDataReader:
         self.read_into(offset, view)
         return view
 
+    def prefetch(self, offset: int, out: memoryview) -> bool:
+        """Declined: a file's reads start at once (see the DataReader protocol)."""
+        return False
+
     def read_into(self, offset: int, out: memoryview) -> None:
         size = len(out)
         self._check(offset, size)
