@@ -173,6 +173,18 @@ def test_corrupted_source_chunk_stops_the_migration(tmp_path):
         assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
 
 
+def test_a_corrupted_chunk_among_kept_chunks_verified_in_parallel_stops_the_copy(tmp_path):
+    with tiered.Engine.from_config(cluster(tmp_path, "none")) as engine:
+        engine.save(1, {"w": torch.randn(4 << 20)}).wait()  # 16 chunks of 1 MiB, kept as they are
+        data = tmp_path / "nvme" / "step_000000000001" / "rank_00000.data"
+        raw = bytearray(data.read_bytes())
+        raw[9 * (1 << 20) + 100] ^= 0xFF  # chunk 9: in the second window (8 MiB), verified in 2 MiB runs
+        data.write_bytes(bytes(raw))
+        with pytest.raises(tiered.CorruptionError, match=r"rank_00000.data: tensor 'w' chunk 9 of 16"):
+            migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec=None)
+        assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
+
+
 def test_unknown_tier_name(tmp_path):
     with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
         with pytest.raises(KeyError, match="no tier named 'tape'.*tiers: nvme, shared"):

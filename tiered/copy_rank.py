@@ -203,13 +203,17 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         return _encoded(get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw)))
 
     refs = [(rec, j) for rec in recs for j in range(len(rec.chunks))]
+    def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> None:
+        for ref in group:
+            keep(ref, data, base)
+
     for win, data, base in chunk_windows(refs, reader, buffers):
         if all(spec_of[rec.index] == rec.codec for rec, _ in win):
-            if len(data) < INLINE_BELOW * len(win):  # small chunks: a pool task costs more than the checksum
-                for ref in win:
-                    keep(ref, data, base)
+            groups = _groups(win, VERIFY_GROUP_BYTES)
+            if len(groups) == 1:
+                keep_all(win, data, base)
             else:
-                list(pool.map(lambda ref: keep(ref, data, base), win))
+                list(pool.map(lambda group: keep_all(group, data, base), groups))
             yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
                    lambda data=data: buffers.give(data))  # once written
         else:
@@ -226,10 +230,24 @@ def _encoded(stored: bytes) -> tuple[bytes, int, int]:
 
 
 _ZEROS = bytes(ALIGNMENT)
-INLINE_BELOW = 256 << 10
-"""Kept chunks averaging under this size are verified on the calling thread: a pool task costs
-20-50 us, a 57 KB chunk's checksum ~16 us (34 MB step of 600 tensors to S3 on the 2-core CPU
-machine: 68-76% of boto3's upload through the pool, 77-82% inline)."""
+VERIFY_GROUP_BYTES = 2 << 20
+"""Kept chunks are verified on the pool in runs of about this many bytes, one task each: ~0.6 ms
+of checksums against the 20-50 us a task costs (a task per 57 KB chunk cost more than it saved:
+a 34 MB step of 600 tensors to S3 on the 2-core CPU machine reached 68-76% of boto3's upload
+that way, 77-82% on the calling thread); a window of less is verified on the calling thread."""
+
+
+def _groups(win: list[tuple[TensorRecord, int]], limit: int) -> list[list[tuple[TensorRecord, int]]]:
+    """`win` cut into runs of consecutive chunks of at least `limit` stored bytes (the last one less)."""
+    groups: list[list[tuple[TensorRecord, int]]] = [[]]
+    size = 0
+    for ref in win:
+        if size >= limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(ref)
+        size += ref[0].chunks[ref[1]].extent
+    return groups
 
 
 WRITE_BATCH = 16 << 20

@@ -142,8 +142,12 @@ def joined_extents(extents: Sequence[memoryview], limit: int) -> Iterator[tuple[
         at += size
 
 
-WINDOW_CHUNKS, WINDOW_BYTES = 64, 64 << 20
-"""One read of a data file: up to this many chunks and bytes, lying end to end in it."""
+WINDOW_CHUNKS, WINDOW_BYTES = 256, 64 << 20
+"""One read of a data file: up to this many chunks and bytes, lying end to end in it. A window
+of kept chunks is verified on the pool in runs of a few MiB, and one of recompressed chunks a
+chunk per task, so a window of many small chunks is still spread over the pool; at 64 chunks a
+34 MB step of 600 tensors was ten windows of 3.6 MB, each read, verified and written in turn
+(a copy from S3 spent ~50 ms on them after its last GET, on the lent H100 machine)."""
 FIRST_WINDOW_BYTES = 4 << 20
 """The first window's byte limit; each next one's doubles, up to WINDOW_BYTES. A copy's first
 bytes reach the target after a small read, not after 64 MiB read and verified (an S3 upload's
@@ -152,9 +156,9 @@ READ_AHEAD_BYTES = 128 << 20
 """Bytes of windows read ahead of the one being processed (at least one window): reads of a
 remote tier (S3's GETs) overlap one another and the verifying and decoding."""
 _READERS = 8
-"""Windows read at once. A state of small tensors makes windows of WINDOW_CHUNKS small chunks
-(~3.6 MB at 57 KB a chunk), each one GET from S3: with 4 at once a 34 MB step's GETs took 60-70
-ms on the lent H100 machine, about twice boto3's 8 parallel parts."""
+"""Windows read at once. With 4 at once, a 34 MB step of small tensors (then windows of 3.6 MB,
+a GET each from S3) took 60-70 ms of GETs on the lent H100 machine, about twice boto3's 8
+parallel parts."""
 
 
 class WindowBuffers:
