@@ -45,15 +45,18 @@ def dir_bytes(root: Path) -> int:
 
 
 # --- ceilings ------------------------------------------------------------------------------
-def disk_ceilings(root: Path, nbytes: int, threads: int = 4, block: int = 16 << 20) -> dict:
+def disk_ceilings(root: Path, nbytes: int, threads: int = 4, block: int = 16 << 20, copy: bool = False) -> dict:
     """O_DIRECT write (then fsync) and read bandwidth of the disk under `root`, `threads` threads
     each on its own range of one file, `block`-sized requests. Buffered I/O where O_DIRECT is
-    refused (reported)."""
+    refused (reported). With `copy`, also `copy_gbps`: the file read while as many bytes are
+    written to a second one (`_copy_time`), with `threads` readers and writers and with twice as
+    many, the faster: what a copy between two tiers on one disk can reach, since every byte is
+    read from it and written to it."""
     import mmap
 
     root.mkdir(parents=True, exist_ok=True)
     path = root / "ceiling.bin"
-    nbytes -= nbytes % (threads * block)
+    nbytes -= nbytes % ((2 if copy else 1) * threads * block)  # whole blocks per thread
     per = nbytes // threads
     bufs = [mmap.mmap(-1, block) for _ in range(threads)]
     for b in bufs:
@@ -88,15 +91,58 @@ def disk_ceilings(root: Path, nbytes: int, threads: int = 4, block: int = 16 << 
         os.close(fd)
     rflags = os.O_RDONLY | (_O_DIRECT if direct else 0)
     fd = os.open(path, rflags)
+    t_copy = None
     try:
         t_read = run(lambda fd, v, off: os.preadv(fd, [v], off), fd)
+        if copy:
+            t_copy = min(_copy_time(fd, root / "copy.bin", nbytes, n, block, direct) for n in (threads, 2 * threads))
     finally:
         os.close(fd)
         path.unlink()
         for b in bufs:
             b.close()
-    return {"write_gbps": round(nbytes / t_write / 1e9, 3), "read_gbps": round(nbytes / t_read / 1e9, 3),
-            "bytes": nbytes, "threads": threads, "block_mib": block >> 20, "o_direct": direct}
+    out = {"write_gbps": round(nbytes / t_write / 1e9, 3), "read_gbps": round(nbytes / t_read / 1e9, 3),
+           "bytes": nbytes, "threads": threads, "block_mib": block >> 20, "o_direct": direct}
+    if t_copy is not None:
+        out["copy_gbps"] = round(nbytes / t_copy / 1e9, 3)
+    return out
+
+
+def _copy_time(src: int, dst_path: Path, nbytes: int, threads: int, block: int, direct: bool) -> float:
+    """Seconds to read `nbytes` of file `src` while writing as many to a new file on the same
+    disk, `threads` threads reading and as many writing at once, `block`-sized requests, then
+    fsync: the bound of a copy between two tiers on one disk, whatever its pipeline (the writes
+    do not wait for the reads here, as in any copy they must)."""
+    import mmap
+
+    dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
+    bufs = [mmap.mmap(-1, block) for _ in range(2 * threads)]
+    per = nbytes // threads
+
+    def reader(i: int) -> None:
+        view = memoryview(bufs[i])
+        for off in range(i * per, (i + 1) * per, block):
+            os.preadv(src, [view], off)
+
+    def writer(i: int) -> None:
+        view = memoryview(bufs[threads + i])
+        for off in range(i * per, (i + 1) * per, block):
+            os.pwrite(dst, view, off)
+
+    try:
+        ts = [threading.Thread(target=fn, args=(i,)) for fn in (reader, writer) for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        os.fsync(dst)
+        return time.perf_counter() - t0
+    finally:
+        os.close(dst)
+        dst_path.unlink()
+        for b in bufs:
+            b.close()
 
 
 def d2h_pinned_gbps(nbytes: int = 1 << 30) -> float:
