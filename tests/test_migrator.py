@@ -173,15 +173,18 @@ def test_corrupted_source_chunk_stops_the_migration(tmp_path):
         assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
 
 
-def test_a_corrupted_chunk_among_kept_chunks_verified_in_parallel_stops_the_copy(tmp_path):
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_a_corrupted_chunk_in_a_later_window_stops_the_copy(tmp_path, codec):
+    """Kept chunks are verified on the pool in runs of 2 MiB; recompressed ones are taken one
+    window behind their encoding (copy_rank._cpu_chunks): either way the damage stops the copy."""
     with tiered.Engine.from_config(cluster(tmp_path, "none")) as engine:
-        engine.save(1, {"w": torch.randn(4 << 20)}).wait()  # 16 chunks of 1 MiB, kept as they are
+        engine.save(1, {"w": torch.randn(4 << 20)}).wait()  # 16 chunks of 1 MiB: windows of 4, 8 and 4
         data = tmp_path / "nvme" / "step_000000000001" / "rank_00000.data"
         raw = bytearray(data.read_bytes())
-        raw[9 * (1 << 20) + 100] ^= 0xFF  # chunk 9: in the second window (8 MiB), verified in 2 MiB runs
+        raw[9 * (1 << 20) + 100] ^= 0xFF  # chunk 9: in the second window
         data.write_bytes(bytes(raw))
         with pytest.raises(tiered.CorruptionError, match=r"rank_00000.data: tensor 'w' chunk 9 of 16"):
-            migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec=None)
+            migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec=codec)
         assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
 
 

@@ -207,13 +207,30 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
         return _encoded(get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw)))
 
-    refs = [(rec, j) for rec in recs for j in range(len(rec.chunks))]
     def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> None:
         for ref in group:
             keep(ref, data, base)
 
-    for win, data, base in chunk_windows(refs, reader, buffers):
+    def done(win: list[tuple[TensorRecord, int]]) -> None:
+        if progress:
+            progress(sum(rec.chunks[j].raw_size for rec, j in win))
+
+    def results(win: list[tuple[TensorRecord, int]], data: memoryview, futures: list[Future]):
+        for (rec, j), future in zip(win, futures):
+            stored, size, crc = future.result()
+            yield [(rec, rec.chunks[j], size, crc)], stored, None
+        buffers.give(data)
+        done(win)
+
+    # A recompressed window's results are taken one window behind: its chunks are handed to the
+    # pool before the previous window's results are waited for, so the pool does not run dry at
+    # every window's end while the last few of its chunks finish.
+    behind = None
+    for win, data, base in chunk_windows([(rec, j) for rec in recs for j in range(len(rec.chunks))], reader, buffers):
         if all(spec_of[rec.index] == rec.codec for rec, _ in win):
+            if behind is not None:
+                yield from results(*behind)
+                behind = None
             groups = _groups(win, VERIFY_GROUP_BYTES)
             if len(groups) == 1:
                 keep_all(win, data, base)
@@ -221,12 +238,14 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
                 list(pool.map(lambda group: keep_all(group, data, base), groups))
             yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
                    lambda data=data: buffers.give(data))  # once written
+            done(win)
         else:
-            for (rec, j), (stored, size, crc) in zip(win, pool.map(lambda ref: one(ref, data, base), win)):
-                yield [(rec, rec.chunks[j], size, crc)], stored, None
-            buffers.give(data)
-        if progress:
-            progress(sum(rec.chunks[j].raw_size for rec, j in win))
+            futures = [pool.submit(one, ref, data, base) for ref in win]
+            if behind is not None:
+                yield from results(*behind)
+            behind = (win, data, futures)
+    if behind is not None:
+        yield from results(*behind)
 
 
 def _encoded(stored: bytes) -> tuple[bytes, int, int]:
