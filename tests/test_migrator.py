@@ -188,6 +188,18 @@ def test_a_corrupted_chunk_in_a_later_window_stops_the_copy(tmp_path, codec):
         assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
 
 
+def test_a_missing_source_data_file_fails_the_copy_and_leaves_nothing(tmp_path):
+    import threading
+
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        engine.save(1, {"w": torch.randn(1000)}).wait()
+        (tmp_path / "nvme" / "step_000000000001" / "rank_00000.data").unlink()
+        with pytest.raises(tiered.CheckpointNotFoundError, match="rank_00000.data: data file is missing"):
+            migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec=None)
+        assert engine.steps("shared") == [] and not (tmp_path / "shared" / "step_000000000001").exists()
+        assert not [t for t in threading.enumerate() if t.name.startswith("tiered-migrate")]  # its pool shut down
+
+
 def test_unknown_tier_name(tmp_path):
     with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
         with pytest.raises(KeyError, match="no tier named 'tape'.*tiers: nvme, shared"):

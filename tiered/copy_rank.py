@@ -50,7 +50,13 @@ class Prefetched:
         self.reader = src.open_data_reader(step, data_file, device=False) if data_bytes else None
         if self.reader is not None:
             head = buffers.take(min(data_bytes, WINDOW_BYTES))
-            if self.reader.prefetch(0, head):
+            try:
+                taken = self.reader.prefetch(0, head)
+            except BaseException:
+                self.reader.close()
+                buffers.give(head)
+                raise
+            if taken:
                 self._head = head
             else:
                 buffers.give(head)

@@ -76,9 +76,10 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     # the copy, and a remote source starts fetching the first rank's data, while the indexes are
     # read and validated; a step saved by one process has every rank's files here.
     begun = pool.submit(dst.begin_step, step)
-    first = Prefetched(src, step, manifest.ranks[0].data_file, manifest.ranks[0].data_bytes, buffers) \
-        if manifest.ranks else None
+    first = None
     try:
+        if manifest.ranks:
+            first = Prefetched(src, step, manifest.ranks[0].data_file, manifest.ranks[0].data_bytes, buffers)
         indexes = [read_rank_index(src, step, entry) for entry in manifest.ranks]
         begun.result()
         ranks, stored = [], 0
