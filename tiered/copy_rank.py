@@ -482,10 +482,12 @@ class GpuRecoder:
         return out.view(torch.uint8)
 
     def host_window(self, chunk_size: int) -> torch.Tensor:
-        """A pinned host buffer that holds any window `decode_refs` decodes: `batch_chunks` chunks
-        of up to `chunk_size` bytes, each tensor's run of them 16-byte aligned. (From torch's
-        caching host allocator: the buffers of one step's copy are reused by the next.)"""
-        return torch.empty(self.batch_chunks * (chunk_size + 16), dtype=torch.uint8, pin_memory=True)
+        """A pinned host buffer for the windows `decode_refs` decodes: `batch_chunks` chunks of
+        `chunk_size` bytes. That holds any window, each tensor's run of chunks 16-byte aligned: a
+        run of n chunks has at most n * chunk_size bytes, a multiple of 16. From torch's caching
+        host allocator, which rounds sizes up to a power of two (so not a few bytes more) and keeps
+        them: one step's copy reuses the last one's."""
+        return torch.empty(self.batch_chunks * chunk_size, dtype=torch.uint8, pin_memory=True)
 
     def decode_refs(self, reader: Any, refs: list[tuple[TensorRecord, int]], chunk_size: int,
                     host: torch.Tensor) -> tuple[np.ndarray, list[int]]:
