@@ -4,8 +4,8 @@ present: decoded on the GPU) or kept (source zstd), as 8 or 2,000 tensors, with 
 background migrator uses (or as many as given), beside the zstd encode ceiling of those threads on
 the same data, and the same run's O_DIRECT write and read ceilings of the disk under `--dir` (4
 threads of 16 MiB requests: issue 15's target for a plain copy is 90% of the write ceiling), and
-the rate of a plain O_DIRECT copy on that disk (both tiers of this probe are on it, so every byte
-is read from it and written to it).
+its rate reading one file while writing another (both tiers of this probe are on that disk, so a
+copy reads and writes it at once; not a bound on the copy, see `baselines.disk_ceilings`).
 
     python3 scripts/migrate_probe.py [THREADS] [--dir D] [--mb 256] [--paths none,zstd,ans]
 
@@ -74,8 +74,8 @@ print(f"threads {threads}: zstd encode ceiling {enc:.3f} GB/s")
 disk = disk_ceilings(Path(root) / "ceiling", min(total_mb << 20, 1 << 30), copy=True)
 shutil.rmtree(Path(root) / "ceiling", ignore_errors=True)
 print(f"disk under {root}: O_DIRECT write {disk['write_gbps']} GB/s, read {disk['read_gbps']} GB/s, "
-      f"a copy on it {disk['copy_gbps']} GB/s ({disk['threads']} threads, {disk['block_mib']} MiB, "
-      f"O_DIRECT {disk['o_direct']})")
+      f"reading while writing {disk['read_while_writing_gbps']} GB/s ({disk['threads']} threads, "
+      f"{disk['block_mib']} MiB, O_DIRECT {disk['o_direct']})")
 gpu = make_gpu_recoder(tiered.config.load_config(None)) if gpu_stack_available() else None
 for src in paths:
     if src == "ans" and gpu is None:
