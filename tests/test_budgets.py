@@ -332,3 +332,21 @@ def test_host_pool_maps_what_the_kernel_grants(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "could not be mapped" in out.stderr and "budgets.host_buffer" in out.stderr
+
+
+def test_wait_pinned_timeout_is_for_pinning_and_compiling_together(tmp_path, monkeypatch):
+    with tiered.Engine.from_config({"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path)}]}) as engine:
+        given: list[float | None] = []
+
+        def slow_pinning(timeout=None):  # pinning that takes the whole timeout and is not done
+            time.sleep(timeout)
+            return False
+
+        def warm(timeout=None):
+            given.append(timeout)
+            return True
+
+        monkeypatch.setattr(engine.workers.host, "wait_pinned", slow_pinning)
+        monkeypatch.setattr(engine.workers, "wait_warm", warm)
+        assert engine.wait_pinned(0.3) is False
+        assert given and given[0] < 0.1, "the compile wait gets what is left of the timeout, not all of it again"

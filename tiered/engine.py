@@ -188,8 +188,8 @@ class Engine:
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
         """Wait until the host staging memory wanted so far is pinned and the GPUs' save kernels are
-        compiled (`reserve`'s start-up work; `timeout` applies to each); True once both are."""
-        return self.workers.host.wait_pinned(timeout) & self.workers.wait_warm(timeout)
+        compiled (`reserve`'s start-up work; `timeout`: seconds for both); True once both are."""
+        return self.workers.wait_ready(timeout)
 
     def order_updates(self) -> None:
         """Order the current CUDA streams after every guarded save's reads of the state (what a

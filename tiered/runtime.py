@@ -78,6 +78,13 @@ class Workers:
         return all([d.wait_warm(None if deadline is None else max(0.0, deadline - time.monotonic()))
                     for d in devices])
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait, at most `timeout` seconds in all, until the host staging memory wanted so far is
+        pinned and every GPU device made so far has compiled its save kernels; True once both are."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pinned = self.host.wait_pinned(timeout)
+        return self.wait_warm(None if deadline is None else max(0.0, deadline - time.monotonic())) and pinned
+
     def close(self) -> None:
         """Stop the codec pool and let the GPU and host staging memory go (nothing may be staged)."""
         self.pool.shutdown()
