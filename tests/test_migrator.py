@@ -263,7 +263,7 @@ def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
 
     with pytest.raises(tiered.CodecUnavailableError, match="needs a GPU with nvCOMP.*GPU machine"):
         list(tensor_chunks(1, None, types.SimpleNamespace(chunk_size=1 << 20), rec, CodecSpec.of("zstd", shuffle=4),
-                                Reader(), ZstdSettings(), None, None, None))
+                           Reader(), ZstdSettings(), None, None))
 
     class Tier:
         def describe(self, step, name):

@@ -97,7 +97,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
             elif _needs_gpu(ordered[i], specs[i]):  # one tensor through the GPU
                 pieces = (([(ordered[i], stored, size, crc)], data, None)
                           for stored, (data, size, crc) in tensor_chunks(step, src, index, ordered[i], specs[i],
-                                                                           reader, settings, pool, gpu, progress))
+                                                                           reader, settings, gpu, progress))
                 k = i + 1
             else:  # a run of tensors through the CPU pool, in windows that cross tensor boundaries
                 k = i
@@ -412,46 +412,30 @@ class _Batches:
 
 
 def tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings: ZstdSettings,
-                  pool: ThreadPoolExecutor, gpu: "GpuRecoder | None", progress):
-    """Yield (source chunk record, (padded stored bytes, stored size, checksum)) in order, for a
-    tensor whose recompression needs a GPU (`_needs_gpu`). The GPU decodes what only it can (ans:
-    at hundreds of GB/s, a brief load) and encodes what only it can; zstd and none are encoded on
-    the CPU pool (zstandard releases the GIL). GPU zstd at 1 MiB chunks ran at ~1 GB/s on an H100
-    and slowed a training step 4x (docs/benchmarks.md)."""
+                  gpu: "GpuRecoder | None", progress):
+    """Yield (source chunk record, (stored bytes, stored size, checksum)) in order, for a tensor
+    going to a codec only a GPU encodes (ans; `_needs_gpu` without `_gpu_decode_cpu_encode`: a
+    GPU-only source going to a CPU codec takes `gpu_decoded_chunks`), a window of
+    `gpu.batch_chunks` chunks at a time (bounded memory): decoded on the CPU where its codec runs
+    there, else on the GPU (checksums verified either way), and encoded on the GPU."""
     if not rec.chunks:
         return
     if gpu is None:
         raise CodecUnavailableError(
             f"{reader.path}: tensor {rec.name!r}: recompressing {rec.codec.name!r} to {spec.name!r} needs a GPU with "
             "nvCOMP: run the migration on a GPU machine")
-    gpu_encode = not get_codec_class(spec.name).cpu_capable
-    yield from _gpu_window_chunks(step, src, index, rec, spec, reader, settings, pool, gpu, progress, gpu_encode)
-
-
-def _gpu_window_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpec, reader, settings, pool,
-                       gpu: "GpuRecoder", progress, gpu_encode: bool):
-    """Chunks of `rec` through the GPU, a window of `gpu.batch_chunks` at a time (bounded memory):
-    decoded on the GPU (checksums verified there), encoded on the GPU or the CPU pool."""
-    codec = get_codec(spec, settings)
-    src_cpu = get_codec(rec.codec, settings).cpu_capable
+    src_cpu = get_codec_class(rec.codec.name).cpu_capable
     dev_reader = None if src_cpu else gpu.reader(src, step, index)
     try:
         for w in range(0, len(rec.chunks), gpu.batch_chunks):
             idx = range(w, min(w + gpu.batch_chunks, len(rec.chunks)))
-            if src_cpu:  # only the encode needs the GPU (a GPU-only target codec)
-                raw = np.concatenate([read_chunk(rec, j, reader, settings) for j in idx])
-                window = torch.from_numpy(raw)
+            if src_cpu:
+                window = torch.from_numpy(np.concatenate([read_chunk(rec, j, reader, settings) for j in idx]))
             else:
                 window = gpu.decode_window(dev_reader, rec, idx.start, idx.stop, index.chunk_size)
             cs = index.chunk_size
             parts = [window[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size] for j in idx]
-            if gpu_encode:
-                encoded = [_encoded(b) for b in gpu.encode_chunks(parts, spec)]
-            else:
-                host = window.cpu().numpy()
-                encoded = list(pool.map(lambda j: _encoded(codec.encode_chunk(memoryview(
-                    host[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size]))), idx))
-            yield from zip((rec.chunks[j] for j in idx), encoded)
+            yield from zip((rec.chunks[j] for j in idx), (_encoded(b) for b in gpu.encode_chunks(parts, spec)))
             if progress:
                 progress(sum(rec.chunks[j].raw_size for j in idx))
     finally:
