@@ -225,6 +225,28 @@ def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
 
 
 @pytest.mark.gpu
+def test_a_copy_to_a_codec_only_a_gpu_encodes_restores_exactly(tmp_path):
+    """zstd chunks (decoded on the CPU) to ans, which only a GPU encodes: copy_rank.tensor_chunks,
+    a window of chunks encoded on the GPU at a time; restored bit-exact."""
+    from tiered.gpu import GpuDevice
+    from tiered.tiers import LocalTier
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    state = {"w": torch.randn(700_000, generator=g, device="cuda"), "b": torch.randn(1000, generator=g, device="cuda")}
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        engine.save(1, state).wait()
+        gpu = GpuRecoder(engine.workers.device(0))
+        assert isinstance(gpu.device, GpuDevice)
+        nvme, fast = engine.get_tier("nvme"), LocalTier("fast", tmp_path / "fast")
+        migrate_step(1, nvme, fast, codec="ans", gpu=gpu)
+    with tiered.Engine.from_config({"tiers": [{"name": "fast", "kind": "local", "path": str(tmp_path / "fast")}],
+                                    "migration": "external"}) as again:
+        _, index = again.read_index(1)
+        assert {t.codec.name for t in index.tensors if t.chunks} == {"ans"}
+        assert_same({k: v.cpu() for k, v in state.items()}, {k: v.cpu() for k, v in again.load(1).items()})
+
+
+@pytest.mark.gpu
 def test_many_small_ans_tensors_of_mixed_dtypes_recompress_in_windows_across_tensors(tmp_path):
     """Chunks of many tensors decode in one batched call per window (copy_rank.gpu_decoded_chunks):
     odd-sized tensors of 2-, 4- and 8-byte dtypes side by side, a window boundary inside a
