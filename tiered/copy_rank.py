@@ -156,16 +156,9 @@ def gpu_decoded_chunks(step, src, index: RankIndex, recs: list[TensorRecord], sp
     def encode(codec: Any, host: np.ndarray, at: int, n: int) -> tuple[bytes, int, int]:
         return _encoded(codec.encode_chunk(memoryview(host[at:at + n])))
 
-    def emit(win: list, futures: list):
-        for (rec, j), fut in zip(win, futures):
-            stored, size, crc = fut.result()
-            yield [(rec, rec.chunks[j], size, crc)], stored, None
-        if progress:
-            progress(sum(rec.chunks[j].raw_size for rec, j in win))
-
     dev_reader = gpu.reader(src, step, index)
     # Two pinned host buffers, taken in turn: a window is copied into one while the pool encodes
-    # the previous one from the other (`emit` waits for that before the next window is decoded).
+    # the previous one from the other (its results are waited for before the next window is decoded).
     # A fresh pageable buffer per window cost a page fault per 4 KiB and a slow copy: the decoding
     # thread spent 46% of its time there (H100, GPU run 137: 1 GB step, ans -> zstd 0.51-0.55 GB/s).
     hosts = [gpu.host_window(index.chunk_size) for _ in range(2)]
@@ -177,10 +170,10 @@ def gpu_decoded_chunks(step, src, index: RankIndex, recs: list[TensorRecord], sp
             futures = [pool.submit(encode, codec_of[rec.index], host, at, rec.chunks[j].raw_size)
                        for (rec, j), at in zip(win, offsets)]
             if pending is not None:
-                yield from emit(*pending)
+                yield from _pool_results(*pending, progress)
             pending = (win, futures)
         if pending is not None:
-            yield from emit(*pending)
+            yield from _pool_results(*pending, progress)
     finally:
         dev_reader.close()
 
@@ -217,16 +210,8 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         for ref in group:
             keep(ref, data, base)
 
-    def done(win: list[tuple[TensorRecord, int]]) -> None:
-        if progress:
-            progress(sum(rec.chunks[j].raw_size for rec, j in win))
-
     def results(win: list[tuple[TensorRecord, int]], data: memoryview, futures: list[Future]):
-        for (rec, j), future in zip(win, futures):
-            stored, size, crc = future.result()
-            yield [(rec, rec.chunks[j], size, crc)], stored, None
-        buffers.give(data)
-        done(win)
+        return _pool_results(win, futures, progress, release=lambda: buffers.give(data))
 
     # A recompressed window's results are taken one window behind: its chunks are handed to the
     # pool before the previous window's results are waited for, so the pool does not run dry at
@@ -244,7 +229,7 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
                 list(pool.map(lambda group: keep_all(group, data, base), groups))
             yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
                    lambda data=data: buffers.give(data))  # once written
-            done(win)
+            _report(progress, win)
         else:
             futures = [pool.submit(one, ref, data, base) for ref in win]
             if behind is not None:
@@ -252,6 +237,24 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
             behind = (win, data, futures)
     if behind is not None:
         yield from results(*behind)
+
+
+def _pool_results(win: list[tuple[TensorRecord, int]], futures: list[Future], progress: Any,
+                  release: Callable[[], None] | None = None):
+    """Yield ([(tensor record, source chunk record, stored size, checksum)], stored bytes, None) for
+    each chunk of a window encoded on the pool (`futures`: its `_encoded` results, in order); then
+    `release` the window's source memory and report its raw bytes to `progress`."""
+    for (rec, j), future in zip(win, futures):
+        stored, size, crc = future.result()
+        yield [(rec, rec.chunks[j], size, crc)], stored, None
+    if release is not None:
+        release()
+    _report(progress, win)
+
+
+def _report(progress: Any, win: list[tuple[TensorRecord, int]]) -> None:
+    if progress:
+        progress(sum(rec.chunks[j].raw_size for rec, j in win))
 
 
 def _encoded(stored: bytes) -> tuple[bytes, int, int]:
