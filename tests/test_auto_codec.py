@@ -136,3 +136,37 @@ def test_auto_on_gpu_is_ans_locally_and_zstd_down(tmp_path):
         assert gpu_float == {"ans"} and shared == {"zstd"}
         assert_same({k: v.cpu() for k, v in state["model"].items()},
                     dict(engine.load(2, tier="shared", device="cpu")["model"]))
+
+
+@pytest.mark.gpu
+def test_codec_auto_on_gpu_takes_the_save_codecs_rate_from_the_save_and_little_memory(tmp_path, caplog):
+    """Beside training the measurement takes no full batch of memory: the save codec's throughput
+    is the first save's own (timed on the GPU), the rest come from the sample as one batch."""
+    model, opt = trained_model("cuda", steps=3)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "l"), "bandwidth": "2GB/s"}]}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        engine.saves.codec.join(120)
+        assert engine.fast_codec == "ans"
+        device = engine.saves.workers.device(torch.cuda.current_device())
+        clock = device.clock_next_stage()
+        engine.save(2, state).wait()
+        rates = clock.rates()
+        assert set(rates) == {"ans"} and rates["ans"] > 1e8, rates  # its waves timed on the GPU
+
+        sample = Sample()
+        for t in list(state["model"].values())[:4]:
+            sample.add(t.dtype, t.reshape(-1).view(torch.uint8)[:1 << 20].clone())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        stream = torch.cuda.Stream()
+        got = {s.name: s for s in measure(sample, ["ans", "zstd", "none"], pool=engine.saves.workers.pool,
+                                          settings=ZstdSettings(), gpu=device, slots=4, stream=stream,
+                                          rates={"ans": 5e10})}
+        # the sample (4 MiB) as one batch: its copy, pack and slab, not batch_chunks of them
+        assert torch.cuda.max_memory_allocated() - base < 32 << 20
+        assert got["ans"].throughput == pytest.approx(5e10) and got["ans"].ratio < 1
+        assert 0 < got["zstd"].ratio < 1 and got["none"].ratio == pytest.approx(1, abs=0.02)
+    assert "measuring failed" not in caplog.text

@@ -525,8 +525,9 @@ class GpuRecoder:
     def encode_chunks(self, chunks: list[torch.Tensor], spec: CodecSpec) -> list[bytes]:
         return self.device.encode_chunks(chunks, spec)
 
-    def measure_encode(self, chunks: list[torch.Tensor], spec: CodecSpec) -> tuple[float, int]:
-        return self.device.measure_encode(chunks, spec)
+    def measure_encode(self, chunks: list[torch.Tensor], spec: CodecSpec, *, slots: int | None = None,
+                       stream: Any = None) -> tuple[float, int]:
+        return self.device.measure_encode(chunks, spec, slots=slots, stream=stream)
 
     @property
     def batch_chunks(self) -> int:

@@ -82,6 +82,39 @@ class RowsSegment:
         return out
 
 
+class EncodeClock:
+    """GPU time of one save's batched encodes: CUDA events around each wave's encode calls, read
+    once the save is done. `codec: auto` takes the save codec's throughput from it: full batches,
+    on the save's stream, beside the training that the save really ran with, and no memory or GPU
+    work of its own (a measurement repeated to a full batch took ~530 MiB and ~300 ms of the
+    step it ran beside: runs 142-149)."""
+
+    def __init__(self) -> None:
+        self._waves: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def stop(self, stream: torch.cuda.Stream, start: torch.cuda.Event, names: set[str], raw_bytes: int) -> None:
+        """Close a wave opened with `start`; a wave of more than one codec is not attributed."""
+        if len(names) == 1:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            self._waves.append((next(iter(names)), raw_bytes, start, end))
+
+    def rates(self) -> dict[str, float]:
+        """Raw bytes per second of GPU encode time, per codec name (waits for the events)."""
+        raw: dict[str, int] = {}
+        ms: dict[str, float] = {}
+        for name, n, start, end in self._waves:
+            end.synchronize()
+            raw[name] = raw.get(name, 0) + n
+            ms[name] = ms.get(name, 0.0) + start.elapsed_time(end)
+        return {name: raw[name] / (ms[name] / 1e3) for name in raw if ms[name] > 0}
+
+
 @dataclass
 class DrainedRows:
     """A wave whose drain `GpuDevice.issue_drain` has issued: once `done` has fired, the rows'
@@ -133,6 +166,7 @@ class GpuDevice:
     _next_slot: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _warned: set = field(default_factory=set, init=False)
+    _clock: EncodeClock | None = field(default=None, init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
     """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
 
@@ -155,6 +189,11 @@ class GpuDevice:
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.index)
+
+    def clock_next_stage(self) -> EncodeClock:
+        """Time the encodes of the next `stage` call on the GPU (`EncodeClock`)."""
+        self._clock = EncodeClock()
+        return self._clock
 
     def budget(self, need: int, others: int, minimum: int, what: str) -> int:
         """GPU bytes for `what`: budgets.gpu_buffer, or (auto) sized from the memory free now for a
@@ -241,6 +280,7 @@ class GpuDevice:
             self._plan_drain(min((layout.nchunks - ring.rows) * self.chunk_size, sum(p.nbytes for p in plans)),
                              ring.rows * stride)
         remaining = layout.nchunks
+        encode_clock, self._clock = self._clock, None
         reads_done = None
         contiguous: dict[int, torch.Tensor] = {}
         for wi, wave in enumerate(layout.waves):
@@ -254,9 +294,12 @@ class GpuDevice:
                 if wi == len(layout.waves) - 1:
                     reads_done = _recorded(self.stream)
                 t3 = clock()
+                timed = encode_clock.start(self.stream) if encode_clock is not None else None
                 pendings = [(codec.encode_batch(self.stream, self.chunk_size, pack, wave.offsets[a:b], wave.raw_sizes[a:b],
                                                 self._slab, [(start + r) * stride for r in range(a, b)], stride), b - a)
                             for codec, a, b in wave.groups]
+                if timed is not None:
+                    encode_clock.stop(self.stream, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
             t4 = clock()
             remaining -= n
             emit(RowsSegment(wave.chunks, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
@@ -423,10 +466,10 @@ class GpuDevice:
         return max(1, min(self.budgets.pack_buffer // self.chunk_size, 256))
 
     def _encode_slots(self, codec: Any, srcs: Sequence[torch.Tensor], pack: torch.Tensor, slab: torch.Tensor,
-                      stride: int) -> PendingSizes:
+                      stride: int, stream: torch.cuda.Stream | None = None) -> PendingSizes:
         """Pack `srcs` (1-D uint8 on this GPU, at most chunk_size bytes each) one per chunk slot of
         `pack` and encode them in one batched call into rows of `stride` bytes of `slab`; on the
-        current stream (self.stream), as a save's wave does."""
+        current stream (`stream`, default self.stream), as a save's wave does."""
         cs = self.chunk_size
         for src in srcs:
             if src.numel() > cs:
@@ -436,7 +479,7 @@ class GpuDevice:
         else:
             for k, src in enumerate(srcs):
                 codec.pack(pack[k * cs:k * cs + src.numel()], src, cs)
-        return codec.encode_batch(self.stream, cs, pack, [k * cs for k in range(len(srcs))],
+        return codec.encode_batch(stream or self.stream, cs, pack, [k * cs for k in range(len(srcs))],
                                   [src.numel() for src in srcs], slab, [k * stride for k in range(len(srcs))], stride)
 
     def encode_chunks(self, chunks: Sequence[torch.Tensor], spec: Any) -> list[bytes]:
@@ -454,39 +497,44 @@ class GpuDevice:
             slab = torch.empty(per * stride, dtype=torch.uint8, device=self.device)
             for w in range(0, len(chunks), per):
                 part = [c.to(self.device, non_blocking=True) for c in chunks[w:w + per]]
-                sizes = self._encode_slots(codec, part, pack, slab, stride).sizes()
+                sizes = _sizes(self._encode_slots(codec, part, pack, slab, stride), self.stream)
                 host = slab[:len(part) * stride].cpu().numpy()
                 out.extend(host[k * stride:k * stride + n].tobytes() for k, n in enumerate(sizes))
         return out
 
-    def measure_encode(self, chunks: Sequence[torch.Tensor], spec: Any) -> tuple[float, int]:
+    def measure_encode(self, chunks: Sequence[torch.Tensor], spec: Any, *, slots: int | None = None,
+                       stream: torch.cuda.Stream | None = None) -> tuple[float, int]:
         """(seconds, stored bytes) to pack and encode `chunks` (1-D uint8, at most chunk_size
-        bytes each; moved to this GPU first, untimed) on the GPU, at the throughput of a full
-        batch: the sample is repeated to `batch_chunks` slots and one batched call is timed with
-        CUDA events after a warm-up call; the time is scaled back to the sample's bytes. A small
-        batch would measure launch latency rather than throughput (nvCOMP zstd: 0.4 GB/s for 16
-        chunks, several GB/s for hundreds)."""
+        bytes each; moved to this GPU first, untimed) on the GPU: one batched call, timed with CUDA
+        events after a warm-up call, on `stream` (default self.stream).
+
+        The sample is repeated to `slots` chunks (default `batch_chunks`, a full batch; never
+        fewer than the sample) and the time is scaled back to the sample's bytes: nvCOMP's
+        throughput grows with the batch (zstd: 0.4 GB/s for 16 chunks, several GB/s for
+        hundreds), so a batch smaller than a save's measures a lower bound. The buffers take
+        `slots` × (chunk_size + the codec's bound) of new GPU memory."""
         codec = get_codec(spec, self.zstd)
         cs, n = self.chunk_size, len(chunks)
-        slots = max(n, self.batch_chunks)
+        slots = max(n, self.batch_chunks if slots is None else slots)
         stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
-        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+        stream = stream or self.stream
+        with torch.cuda.device(self.index), torch.cuda.stream(stream):
             src = [c.to(self.device) for c in chunks]
             srcs = [src[k % n] for k in range(slots)]
             pack = torch.empty(slots * cs, dtype=torch.uint8, device=self.device)
             slab = torch.empty(slots * stride, dtype=torch.uint8, device=self.device)
-            self._encode_slots(codec, srcs, pack, slab, stride).sizes()  # warm-up
+            _sizes(self._encode_slots(codec, srcs, pack, slab, stride, stream), stream)  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             # Keep the GPU busy while the host enqueues the timed work (nvCOMP builds its batch
             # descriptors on the host), so the events time GPU work, not host latency.
             sleep = getattr(torch.cuda, "_sleep", None)
             if sleep is not None:
                 sleep(50_000_000)
-            start.record(self.stream)
-            pending = self._encode_slots(codec, srcs, pack, slab, stride)
-            end.record(self.stream)
+            start.record(stream)
+            pending = self._encode_slots(codec, srcs, pack, slab, stride, stream)
+            end.record(stream)
+            end.synchronize()  # (before nvCOMP's wait, which holds the GIL: `_sizes`)
             sizes = pending.sizes()
-            end.synchronize()
         seconds = start.elapsed_time(end) / 1e3 * sum(s.numel() for s in src) / sum(s.numel() for s in srcs)
         return seconds, sum(sizes[:n])
 
@@ -498,6 +546,13 @@ class GpuDevice:
         array) of a chunk whose checksum fails here; else that raises."""
         with torch.cuda.device(self.index):
             restore_on(self, items, reader, chunk_size, repair)
+
+
+def _sizes(pending: PendingSizes, stream: torch.cuda.Stream) -> list[int]:
+    """A batch's compressed sizes, waited for through torch first: nvCOMP's own wait holds the
+    GIL, which would stop every Python thread (training's too) until the stream is done."""
+    _recorded(stream).synchronize()
+    return pending.sizes()
 
 
 def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ OBSERVE_BYTES = 1 << 30
 SAMPLE_CHUNKS = 16
 """Chunks sampled per checkpoint: 16 MiB at the default chunk size, a fraction of a second to
 encode with every candidate on a CPU, a few milliseconds on a GPU."""
+FULL_BATCH_ROOM = 8
+"""A state smaller than a full batch is measured at a full batch where the GPU has this many
+times its memory free; else at its own size (`FastTierCodec`)."""
 _INSTANT = 1e15  # bytes/s of an encode that costs nothing (a plain copy of chunks kept as they are)
 _cache_lock = threading.Lock()
 
@@ -144,21 +147,30 @@ def _nbytes(raw: Raw) -> int:
 
 
 def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, settings: ZstdSettings,
-            gpu: Any = None, cpu_first: bool = False) -> list[CodecSample]:
+            gpu: Any = None, cpu_first: bool = False, slots: int | None = None, stream: Any = None,
+            rates: Mapping[str, float] | None = None) -> list[CodecSample]:
     """Each codec in `names` on `sample`: encoded on the GPU (`gpu`: a GpuDevice) when the codec
     runs there and a GPU is given, else on the CPU pool; with `cpu_first`, codecs that have a CPU
     encoder are measured on the CPU (where the migrator runs them). Chunks already stored with a
-    codec are kept as they are (no encode time, their stored size)."""
+    codec are kept as they are (no encode time, their stored size).
+
+    GPU encodes run on `stream` (default the device's own), the sample repeated to `slots`
+    chunks (default a full batch: `GpuDevice.measure_encode`). `rates` (bytes/s of GPU encode, by codec
+    name, as a save measured them: `tiered.gpu.EncodeClock`) stand for the sample's throughput
+    of those codecs; the sample still gives their ratio."""
     out = []
     raw = max(sample.raw_bytes, 1)
     for name in names:
         cls = get_codec_class(name)
         todo = [i for i, s in enumerate(sample.stored) if s is None or s[0] != name]
         kept = sum(s[1] for i, s in enumerate(sample.stored) if s is not None and i not in todo)
+        on_gpu = gpu is not None and cls.gpu_capable and not (cpu_first and cls.cpu_capable)
         if not todo or (name == "none" and gpu is None):  # on a GPU, "none" still copies into the slab
             seconds, stored = 0.0, sum(_nbytes(sample.chunks[i][1]) for i in todo)
-        elif gpu is not None and cls.gpu_capable and not (cpu_first and cls.cpu_capable):
-            seconds, stored = _encode_gpu(gpu, [sample.chunks[i] for i in todo], name)
+        elif on_gpu:
+            seconds, stored = _encode_gpu(gpu, [sample.chunks[i] for i in todo], name, slots, stream)
+            if rates and rates.get(name):
+                seconds = sum(_nbytes(sample.chunks[i][1]) for i in todo) / rates[name]
         elif cls.cpu_capable:
             seconds, stored = _timed(lambda: _encode_cpu([sample.chunks[i] for i in todo], name, pool, settings))
         else:
@@ -187,7 +199,8 @@ def _encode_cpu(chunks: list[tuple[torch.dtype, Raw]], name: str, pool: ThreadPo
     return sum(pool.map(one, host))
 
 
-def _encode_gpu(gpu: Any, chunks: list[tuple[torch.dtype, Raw]], name: str) -> tuple[float, int]:
+def _encode_gpu(gpu: Any, chunks: list[tuple[torch.dtype, Raw]], name: str, slots: int | None = None,
+                stream: Any = None) -> tuple[float, int]:
     """(seconds, stored bytes): one batched encode per dtype on the GPU (`gpu.measure_encode`)."""
     cls = get_codec_class(name)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -195,7 +208,7 @@ def _encode_gpu(gpu: Any, chunks: list[tuple[torch.dtype, Raw]], name: str) -> t
         by_dtype.setdefault(dtype, []).append(raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw))
     seconds, stored = 0.0, 0
     for dtype, raws in by_dtype.items():
-        s, n = gpu.measure_encode(raws, cls.spec_for(dtype))
+        s, n = gpu.measure_encode(raws, cls.spec_for(dtype), slots=slots, stream=stream)
         seconds, stored = seconds + s, stored + n
     return seconds, stored
 
@@ -206,12 +219,24 @@ class FastTierCodec:
     any: they decide; a few MiB, copied on the training stream after the snapshot) and a thread
     decides from it once that save is durable, so the measurement neither competes with the
     save nor delays it. The decision applies from the next save on. A pinned codec is used as is.
+
+    On a GPU the measurement runs beside training, so it takes little. A state of at least one
+    full batch of chunks gives the save codec's throughput from the first save itself (its waves
+    timed on the GPU: `tiered.gpu.EncodeClock`); every GPU codec's ratio, and the other codecs'
+    throughput, come from the sample encoded as one batch of its own on a stream of its own (~2 ×
+    the sample's bytes of GPU memory). That throughput is a lower bound (16 chunks keep fewer of
+    the GPU's units busy than a save's hundreds), so the policy leans toward the codec the saves
+    already run; pin `codec` where a full batch should decide (`scripts/bench.py` prints each
+    GPU codec's full-batch throughput). A smaller state is measured at a full batch where
+    `FULL_BATCH_ROOM` times its memory is free, else at the batch its own saves run. Before, a 256-chunk batch of every codec took
+    ~530 MiB of new GPU memory and ~300 ms of the step beside it (runs 142-149).
     """
 
-    def __init__(self, config: Any, tier: Any, pool: ThreadPoolExecutor, host: Any, gpu_ready: bool):
-        self.config, self.tier, self.pool, self.host = config, tier, pool, host
+    def __init__(self, config: Any, tier: Any, workers: Any):
+        self.config, self.tier, self.workers = config, tier, workers
+        self.pool = workers.pool
         pinned = config.fast_tier.codec
-        self.codec = pinned if pinned != AUTO else ("ans" if gpu_ready else "zstd")
+        self.codec = pinned if pinned != AUTO else ("ans" if workers.gpu_ready else "zstd")
         """The codec for the next save."""
         self.pending = pinned == AUTO
         """No decision yet: the next save is sampled."""
@@ -234,11 +259,16 @@ class FastTierCodec:
             t = t if t.is_contiguous() else t.contiguous()
             piece = t.reshape(-1).view(torch.uint8)[j * chunk_size:j * chunk_size + p.raw_size(j)]
             copies.append((p.dtype, piece.clone() if piece.is_cuda else piece.numpy().copy()))
-        ready = None
+        ready = clock = None
+        nchunks = sum(p.nchunks for p in plans)
         if gpu_index is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(gpu_index))
-        self._thread = threads.start(self._decide, copies, ready, gpu_index, handle, name="tiered-codec-policy")
+            device = self.workers.device(gpu_index)
+            if nchunks >= device.batch_chunks:
+                clock = device.clock_next_stage()
+        self._thread = threads.start(self._decide, copies, ready, gpu_index, nchunks, clock, handle,
+                                     name="tiered-codec-policy")
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
@@ -255,7 +285,14 @@ class FastTierCodec:
         elapsed = time.monotonic() - self._started + handle.timings.get("plan_ms", 0.0) / 1e3
         return manifest.stored_bytes / max(elapsed, 1e-9)
 
-    def _decide(self, copies: list[tuple[torch.dtype, Raw]], ready: Any, gpu_index: int | None, handle: Any) -> None:
+    def _small_state_slots(self, gpu: Any, nchunks: int) -> int | None:
+        """The batch a state smaller than a full batch is measured at: a full one (None) where
+        GPU memory has room for it many times over, else the state's own chunk count."""
+        need = 2 * gpu.batch_chunks * self.config.chunk_size  # (its pack and slab, about)
+        return None if torch.cuda.mem_get_info(gpu.index)[0] >= FULL_BATCH_ROOM * need else nchunks
+
+    def _decide(self, copies: list[tuple[torch.dtype, Raw]], ready: Any, gpu_index: int | None, nchunks: int,
+                clock: Any, handle: Any) -> None:
         cfg = self.config.fast_tier
         try:
             if handle.persisted.exception() is not None:
@@ -266,13 +303,14 @@ class FastTierCodec:
             sample = Sample()
             for dtype, raw in copies:
                 sample.add(dtype, raw)
-            gpu = None
-            if gpu_index is not None:
-                from tiered.gpu import GpuDevice
-
-                gpu = GpuDevice(gpu_index, self.config.chunk_size, self.config.budgets, self.config.zstd, self.host)
+            gpu = self.workers.device(gpu_index) if gpu_index is not None else None
             names = [n for n in CODEC_NAMES if gpu is not None or get_codec_class(n).cpu_capable]
-            samples = measure(sample, names, pool=self.pool, settings=self.config.zstd, gpu=gpu)
+            stream = torch.cuda.Stream(gpu_index) if gpu_index is not None else None
+            slots = None
+            if gpu is not None:
+                slots = len(copies) if clock is not None else self._small_state_slots(gpu, nchunks)
+            samples = measure(sample, names, pool=self.pool, settings=self.config.zstd, gpu=gpu, slots=slots,
+                              stream=stream, rates=clock.rates() if clock is not None else None)
             bandwidth = tier_bandwidth(cfg, self.tier)
             if not cfg.bandwidth:  # a configured bandwidth wins
                 bandwidth = min(bandwidth, self._observed(handle) or bandwidth)

@@ -153,7 +153,7 @@ class SavePipeline:
         self.config, self.catalog, self.workers = config, catalog, workers
         self.tier = catalog.fast
         self.rank, self.world_size = 0, 1
-        self.codec = FastTierCodec(config, self.tier, workers.pool, workers.host, workers.gpu_ready)
+        self.codec = FastTierCodec(config, self.tier, workers)
         """The fast tier's codec (``codec: auto`` decides it from the first save)."""
         self.closed = False
         self._plans = PlanCache()
