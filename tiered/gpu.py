@@ -497,7 +497,7 @@ class GpuDevice:
             slab = torch.empty(per * stride, dtype=torch.uint8, device=self.device)
             for w in range(0, len(chunks), per):
                 part = [c.to(self.device, non_blocking=True) for c in chunks[w:w + per]]
-                sizes = _sizes(self._encode_slots(codec, part, pack, slab, stride), self.stream)
+                sizes = self._encode_slots(codec, part, pack, slab, stride).sizes()
                 host = slab[:len(part) * stride].cpu().numpy()
                 out.extend(host[k * stride:k * stride + n].tobytes() for k, n in enumerate(sizes))
         return out
@@ -523,7 +523,7 @@ class GpuDevice:
             srcs = [src[k % n] for k in range(slots)]
             pack = torch.empty(slots * cs, dtype=torch.uint8, device=self.device)
             slab = torch.empty(slots * stride, dtype=torch.uint8, device=self.device)
-            _sizes(self._encode_slots(codec, srcs, pack, slab, stride, stream), stream)  # warm-up
+            self._encode_slots(codec, srcs, pack, slab, stride, stream).sizes()  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             # Keep the GPU busy while the host enqueues the timed work (nvCOMP builds its batch
             # descriptors on the host), so the events time GPU work, not host latency.
@@ -533,7 +533,7 @@ class GpuDevice:
             start.record(stream)
             pending = self._encode_slots(codec, srcs, pack, slab, stride, stream)
             end.record(stream)
-            end.synchronize()  # (before nvCOMP's wait, which holds the GIL: `_sizes`)
+            end.synchronize()
             sizes = pending.sizes()
         seconds = start.elapsed_time(end) / 1e3 * sum(s.numel() for s in src) / sum(s.numel() for s in srcs)
         return seconds, sum(sizes[:n])
@@ -546,13 +546,6 @@ class GpuDevice:
         array) of a chunk whose checksum fails here; else that raises."""
         with torch.cuda.device(self.index):
             restore_on(self, items, reader, chunk_size, repair)
-
-
-def _sizes(pending: PendingSizes, stream: torch.cuda.Stream) -> list[int]:
-    """A batch's compressed sizes, waited for through torch first: nvCOMP's own wait holds the
-    GIL, which would stop every Python thread (training's too) until the stream is done."""
-    _recorded(stream).synchronize()
-    return pending.sizes()
 
 
 def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:

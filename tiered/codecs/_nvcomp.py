@@ -107,11 +107,23 @@ def max_compressed(algorithm: str, chunk_size: int, data_type: str | None = None
     return _bounds[key]
 
 
+def _wait(stream: torch.cuda.Stream) -> None:
+    """Wait for `stream`'s work so far through torch, which lets the GIL go. nvCOMP's own wait
+    (reading a batch's sizes) holds it: every Python thread, training's included, would stand
+    still until the batch is done (run 152)."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()
+
+
 class _Pending:
-    def __init__(self, batch: Any, keep: tuple[Any, ...]):
+    def __init__(self, batch: Any, keep: tuple[Any, ...], stream: torch.cuda.Stream):
         self._batch, self._keep = batch, keep
+        self._done = torch.cuda.Event()
+        self._done.record(stream)
 
     def sizes(self) -> list[int]:
+        self._done.synchronize()  # (`_wait`)
         return [int(s) for s in self._batch.buffer_sizes]
 
 
@@ -124,7 +136,7 @@ def encode(algorithm: str, data_type: str | None, stream: torch.cuda.Stream, chu
     inp = mod.as_arrays(src, list(offsets), list(sizes), cuda_stream=s)
     out = mod.as_arrays(slab, list(row_offsets), [row_capacity] * len(row_offsets), cuda_stream=s)
     result = c.encode(inp, out=out)
-    return _Pending(result, (inp, out, src, slab))
+    return _Pending(result, (inp, out, src, slab), stream)
 
 
 def decode(algorithm: str, data_type: str | None, stream: torch.cuda.Stream, chunk_size: int, slab: torch.Tensor,
@@ -136,6 +148,7 @@ def decode(algorithm: str, data_type: str | None, stream: torch.cuda.Stream, chu
     inp = mod.as_arrays(slab, list(row_offsets), list(stored_sizes), cuda_stream=s)
     out = mod.as_arrays(dst, list(offsets), list(raw_sizes), cuda_stream=s)
     result = c.decode(inp, out=out)
+    _wait(stream)
     got = [int(x) for x in result.buffer_sizes]
     if got != [int(x) for x in raw_sizes]:
         bad = next(i for i, (a, b) in enumerate(zip(got, raw_sizes)) if a != b)
