@@ -194,7 +194,7 @@ def test_file_runs_group_chunks_that_lie_end_to_end():
 def test_extent_runs_fill_each_run_up_to_the_limit_with_whole_aligned_extents():
     import random
 
-    from tiered.format import extent_runs
+    from tiered.chunks import extent_runs
 
     rng = random.Random(7)
     for _ in range(200):

@@ -20,7 +20,8 @@ from tiered.checksum import wsum64
 from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
-from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption, extent_runs
+from tiered.chunks import ALIGNMENT, extent_runs
+from tiered.format import TensorRecord, chunk_corruption
 from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
 from tiered.staging import HostPool
 from tiered.units import round_up

@@ -62,7 +62,7 @@ class StoredItem:
 def results_of(items: Sequence[Any], files: Any, rank: int) -> list[WriteResult]:
     """DCP's WriteResults for `items` (WriteItems, in the order they were staged) once the rank's
     files (a RankFiles) are durable: item i is tensor i of the rank's index."""
-    stored = {rec.index: rec.stored_bytes for rec in files.index.tensors}
+    stored = files.tensor_stored
     summary = RankSummary(files.entry, files.raw_bytes, files.stored_bytes)
     return [WriteResult(index=item.index, size_in_bytes=stored[i],
                         storage_data=StoredItem(rank, i, summary if i == 0 else None))

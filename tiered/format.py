@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence, overload
+from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from tiered import checksum
+from tiered.chunks import ALIGNMENT, ChunkRecord, ChunkTable
 from tiered.errors import CorruptionError, FormatError
 from tiered.tree import shares, walk_leaves
-from tiered.units import round_up
 
 FORMAT_VERSION = 1
 INDEX_VERSIONS = (1, 2)
@@ -34,7 +32,6 @@ MANIFEST_VERSION = 2
 """Manifests since version 2 end with their own checksum (`manifest_checksum`); version 1
 manifests, which lack it, are still read."""
 _MANIFEST_TRAILER = re.compile(rb',\n "manifest_checksum": "([0-9a-f]{16})"\n}\n?\Z')
-ALIGNMENT = 4096
 MANIFEST_NAME = "MANIFEST.json"
 MAX_INDEX_BYTES = 1 << 30
 MAX_MANIFEST_BYTES = 64 << 20
@@ -126,119 +123,6 @@ def check_codec_spec(spec: CodecSpec) -> None:
                              f"{', '.join(map(repr, allowed[key]))})")
 
 
-class ChunkRecord(NamedTuple):
-    """One chunk's place in the data file (an item of a ChunkTable)."""
-
-    offset: int
-    """Byte offset in the rank's data file, a multiple of ALIGNMENT."""
-    size: int
-    """Stored (compressed) bytes; the extent on disk is size rounded up to ALIGNMENT, zero padded."""
-    raw_size: int
-    """Uncompressed bytes."""
-    checksum: int
-    """wsum64 of the stored bytes."""
-
-    @property
-    def extent(self) -> int:
-        return round_up(self.size, ALIGNMENT)
-
-
-class ChunkTable(Sequence[ChunkRecord]):
-    """A tensor's chunk records: a sequence of ChunkRecord.
-
-    A save's writer builds it packed, four 64-bit integers per chunk in one byte string, and
-    writes the index from that: no object per chunk. A save of a large state places tens of
-    thousands of chunks, and as objects they lived long enough to set off the collector's full
-    passes over the training process, each of which holds every Python thread: 170-244 ms inside
-    each save of a 24 GB state (H100, GPU run 103). A byte string is not an object the collector
-    tracks. A table read from an index, or first read by index, holds its records as a tuple,
-    so that restores and migration read them at a tuple's speed."""
-
-    __slots__ = ("_raw", "_records")
-    ROW = struct.Struct("<qqqQ")
-    """One packed chunk: offset, size, raw size, checksum (a writer packs its rows: `packed`)."""
-
-    def __init__(self, records: Iterable[Sequence[int]] = ()):
-        self._records: tuple[ChunkRecord, ...] | None = tuple(
-            r if type(r) is ChunkRecord else ChunkRecord(*r) for r in records)
-        self._raw: bytearray | None = None
-
-    @classmethod
-    def packed(cls, raw: bytearray) -> "ChunkTable":
-        """The table of rows a writer packed with ROW, end to end (taken, not copied)."""
-        if len(raw) % cls.ROW.size:
-            raise ValueError(f"{len(raw)} bytes are not whole chunk rows")
-        table = cls()
-        table._raw, table._records = raw, None
-        return table
-
-    def _rows(self) -> tuple[ChunkRecord, ...]:
-        if self._records is None:
-            self._records = tuple(map(ChunkRecord._make, self.ROW.iter_unpack(self._raw or b"")))
-        return self._records
-
-    def __len__(self) -> int:
-        return len(self._records) if self._records is not None else len(self._raw or b"") // self.ROW.size
-
-    @overload
-    def __getitem__(self, i: int) -> ChunkRecord: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> "ChunkTable": ...
-
-    def __getitem__(self, i: int | slice) -> "ChunkRecord | ChunkTable":
-        if isinstance(i, slice):
-            return ChunkTable(self._rows()[i])
-        return self._rows()[i]
-
-    def __iter__(self) -> Iterator[ChunkRecord]:
-        return iter(self._rows())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, ChunkTable):
-            return self._rows() == other._rows()
-        if isinstance(other, Sequence):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._rows())
-
-    def __repr__(self) -> str:
-        return f"ChunkTable({list(self)!r})"
-
-    @property
-    def stored_bytes(self) -> int:
-        if self._records is not None:
-            return sum(r.size for r in self._records)
-        return sum(memoryview(self._raw or bytearray()).cast("q")[1::4].tolist())
-
-    def to_json(self) -> str:
-        """The JSON array of [offset, size, raw size, "checksum as 16 hex digits"] per chunk."""
-        rows = self._records if self._records is not None else self.ROW.iter_unpack(self._raw or b"")
-        return "[" + ",".join([f'[{o},{s},{r},"{c:016x}"]' for o, s, r, c in rows]) + "]"
-
-
-def extent_runs(sizes: Sequence[int], limit: int) -> tuple[list[int], list[tuple[int, int, int]], np.ndarray]:
-    """How consecutive chunks go out in large writes: (each one's aligned extent, [(first, end,
-    bytes)] runs of them whose extents end to end fit `limit` bytes (one alone may not), each
-    one's byte offset in its run). With numpy: a drained wave has thousands of rows, and the
-    writer thread's Python time is taken from a training loop that shares the GIL with it."""
-    ext = (np.asarray(sizes, dtype=np.int64) + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
-    ends = np.cumsum(ext)
-    starts = ends - ext
-    offsets = np.empty_like(ext)
-    bounds: list[tuple[int, int, int]] = []
-    i, n = 0, len(ext)
-    while i < n:
-        base = int(starts[i])
-        k = max(i + 1, int(np.searchsorted(ends, base + limit, side="right")))
-        offsets[i:k] = starts[i:k] - base
-        bounds.append((i, k, int(ends[k - 1]) - base))
-        i = k
-    return ext.tolist(), bounds, offsets
-
-
 @dataclass(frozen=True)
 class TensorRecord:
     index: int
@@ -286,27 +170,10 @@ class RankIndex:
     version: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
-        doc = {
-            "format": "tiered-index", "version": 2 if shares(self.skeleton) else 1, "rank": self.rank,
-            "data_file": self.data_file, "data_bytes": self.data_bytes, "chunk_size": self.chunk_size,
-            "alignment": ALIGNMENT, "checksum": checksum.NAME, "io": self.io, "skeleton": self.skeleton,
-            "tensors": [],
-        }
-        head = _dumps(doc)
-        # Chunk tables are written as text rather than built as lists for json: an index of tens
-        # of thousands of chunks made as many lists (see ChunkTable). The JSON is the same.
-        # Each tensor's object is assembled as text too (json.dumps of a dict per tensor was most of
-        # the time), the strings through json.dumps; the bytes are the same as json.dumps would make.
-        codecs: dict[CodecSpec, str] = {}
-        for t in self.tensors:
-            if t.codec not in codecs:
-                codecs[t.codec] = _dumps(t.codec.to_json())
-        tensors = ",".join(
-            f'{{"index":{t.index},"name":{_dumps(t.name)},"dtype":{_dumps(t.dtype)},'
-            f'"shape":[{",".join(map(str, t.shape))}],"device":{_dumps(t.device)},'
-            f'"numpy":{"true" if t.is_numpy else "false"},"codec":{codecs[t.codec]},"chunks":{t.chunks.to_json()}}}'
-            for t in self.tensors)
-        return (head[:-len('[]}')] + "[" + tensors + "]}").encode()
+        return index_json(rank=self.rank, data_file=self.data_file, data_bytes=self.data_bytes,
+                          chunk_size=self.chunk_size, skeleton=self.skeleton, io=self.io,
+                          tensors=((t.index, t.name, t.dtype, t.shape, t.device, t.is_numpy, t.codec, t.chunks.to_json())
+                                   for t in self.tensors))
 
     @classmethod
     def from_json(cls, raw: bytes, source: str) -> "RankIndex":
@@ -339,6 +206,44 @@ class RankIndex:
                    data_bytes=data_bytes, chunk_size=chunk_size, skeleton=doc.get("skeleton"),
                    tensors=tuple(sorted(tensors, key=lambda t: t.index)), io=str(doc.get("io", "")),
                    version=doc["version"])
+
+
+IndexTensor = tuple[int, str, str, Sequence[int], str, bool, CodecSpec, str]
+"""One tensor of `index_json`: index, name, dtype, shape, device, is_numpy, codec, its chunk
+table's JSON."""
+
+
+def index_json(*, rank: int, data_file: str, data_bytes: int, chunk_size: int, skeleton: Any, io: str,
+               tensors: Iterable[IndexTensor]) -> bytes:
+    """A rank's index (`RankIndex.to_json`) from its fields, the tensors given one at a time: a
+    save's writer makes its index this way, with no record kept per tensor. A state of thousands
+    of tensors made as many TensorRecords and ChunkTables, which lived long enough to be promoted
+    into the collector's oldest generation and set off its full passes over the training process
+    every few saves (see ChunkTable)."""
+    doc = {
+        "format": "tiered-index", "version": 2 if shares(skeleton) else 1, "rank": rank,
+        "data_file": data_file, "data_bytes": data_bytes, "chunk_size": chunk_size,
+        "alignment": ALIGNMENT, "checksum": checksum.NAME, "io": io, "skeleton": skeleton,
+        "tensors": [],
+    }
+    head = _dumps(doc)
+    # Chunk tables are written as text rather than built as lists for json: an index of tens of
+    # thousands of chunks made as many lists (see ChunkTable). Each tensor's object is assembled
+    # as text too (json.dumps of a dict per tensor was most of the time), the strings through
+    # json.dumps; the bytes are the same as json.dumps would make.
+    codecs: dict[CodecSpec, str] = {}
+
+    def one(index: int, name: str, dtype: str, shape: Sequence[int], device: str, is_numpy: bool, codec: CodecSpec,
+            chunks: str) -> str:
+        text = codecs.get(codec)
+        if text is None:
+            text = codecs[codec] = _dumps(codec.to_json())
+        return (f'{{"index":{index},"name":{_dumps(name)},"dtype":{_dumps(dtype)},'
+                f'"shape":[{",".join(map(str, shape))}],"device":{_dumps(device)},'
+                f'"numpy":{"true" if is_numpy else "false"},"codec":{text},"chunks":{chunks}}}')
+
+    body = ",".join([one(*t) for t in tensors])
+    return (head[:-len('[]}')] + "[" + body + "]}").encode()
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)

@@ -34,7 +34,8 @@ from tiered.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
-from tiered.format import ALIGNMENT, TensorRecord, extent_runs
+from tiered.chunks import ALIGNMENT, extent_runs
+from tiered.format import TensorRecord
 from tiered.gpu_layout import Layout
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import ChunkRef, TensorPlan

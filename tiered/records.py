@@ -123,10 +123,6 @@ def read_records(root: Path | None) -> list[dict[str, Any]]:
     return out
 
 
-def codecs_of(index_tensors: Any) -> list[str]:
-    return sorted({t.codec.name for t in index_tensors})
-
-
 def save_record(manifest: Any, tier: str, handle: Any, durable_s: float, codecs: list[str], io: str) -> dict[str, Any]:
     staged_ms = handle.timings.get("staged_ms")
     return {"kind": "save", "step": manifest.step, "time": now(), "tier": tier, "ranks": manifest.world_size,

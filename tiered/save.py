@@ -46,13 +46,13 @@ from tiered import checksum, cpu, threads, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
-from tiered.format import (ALIGNMENT, ChunkTable, Manifest, RankEntry, RankIndex, TensorRecord, data_file_name,
-                           dtype_name, index_file_name)
+from tiered.format import (ALIGNMENT, ChunkTable, Manifest, RankEntry, data_file_name, dtype_name, index_file_name,
+                           index_json)
 from tiered.gpu_write import RowsWriter
 from tiered.overlap import Guard, guarded_storages, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
-from tiered.records import RecordLog, codecs_of, records_root, save_record
+from tiered.records import RecordLog, records_root, save_record
 from tiered.runtime import Workers
 from tiered.units import format_size, round_up
 from tiered.version import __version__
@@ -473,12 +473,11 @@ class SavePipeline:
             writer=f"tiered {__version__}")
         job.tier.commit(job.step, manifest.to_json())
         durable = time.perf_counter() - job.started + job.handle.timings.get("plan_ms", 0.0) / 1e3
-        self.records.append(save_record(manifest, job.tier.name, job.handle, durable, codecs_of(files.index.tensors),
-                                        files.index.io))
+        self.records.append(save_record(manifest, job.tier.name, job.handle, durable, files.codecs, files.io))
         log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
                  "[%s]", job.step, "" if job.tier is self.tier else f" on tier {job.tier.name!r}",
                  format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
-                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.index.io)
+                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.io)
         return manifest
 
     def _write_rank(self, job: _Job) -> "RankFiles":
@@ -533,21 +532,18 @@ class SavePipeline:
             raise
         plans = {p.index: p for p in job.plan.all}
         ordered = [i for i in plans if not chunks[i]] + order
-        index = RankIndex(
-            rank=self.rank, data_file=data_name, data_bytes=data_bytes, chunk_size=self.config.chunk_size,
-            skeleton=job.skeleton, io=writer.io_mode,
-            tensors=tuple(TensorRecord(index=i, name=plans[i].name, dtype=dtype_name(plans[i].dtype),
-                                       shape=plans[i].shape, device=plans[i].device,
-                                       is_numpy=plans[i].is_numpy, codec=plans[i].spec,
-                                       chunks=ChunkTable.packed(chunks[i]))
-                          for i in ordered))
-        raw_index = index.to_json()
+        # (the index is made from the plans and packed rows directly: `index_json`)
+        raw_index = index_json(rank=self.rank, data_file=data_name, data_bytes=data_bytes,
+                               chunk_size=self.config.chunk_size, skeleton=job.skeleton, io=writer.io_mode,
+                               tensors=((i, p.name, dtype_name(p.dtype), p.shape, p.device, p.is_numpy, p.spec,
+                                         ChunkTable.packed_json(chunks[i])) for i in ordered for p in (plans[i],)))
+        stored = {i: ChunkTable.packed_stored_bytes(raw) for i, raw in chunks.items()}
         index_name = index_file_name(self.rank)
         job.tier.write_file(job.step, index_name, raw_index)
         return RankFiles(entry=RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name,
                                          data_bytes),
-                         index=index, raw_bytes=job.handle.raw_bytes,
-                         stored_bytes=sum(t.stored_bytes for t in index.tensors))
+                         io=writer.io_mode, codecs=sorted({p.spec.name for p in plans.values()}),
+                         tensor_stored=stored, raw_bytes=job.handle.raw_bytes, stored_bytes=sum(stored.values()))
 
 
 
@@ -556,7 +552,11 @@ class RankFiles:
     """One rank's durable files of a step, before the step is committed."""
 
     entry: RankEntry
-    index: RankIndex
+    io: str
+    """How the data file was written (`RankIndex.io`)."""
+    codecs: list[str]
+    tensor_stored: dict[int, int]
+    """Stored bytes per tensor, by index."""
     raw_bytes: int
     stored_bytes: int
 
