@@ -208,3 +208,37 @@ def test_gpu_compression_does_not_wait_for_the_default_stream():
     torch.cuda.synchronize()
     assert torch.equal(out, raw)
     assert still_busy, "the compression waited for the default stream's kernel"
+
+
+@pytest.mark.gpu
+def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read():
+    """nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: a
+    wave queued behind an unread one would make that read wait for it too (tiered.gpu.WaveSizes)."""
+    from tiered.config import Budgets
+    from tiered.gpu import ENCODE_STREAMS, GpuDevice
+    from tiered.plan import make_plan
+    from tiered.staging import HostPool
+    from tiered.tree import flatten
+
+    cs = 64 << 10
+    dev = GpuDevice(torch.cuda.current_device(), cs, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * cs),
+                    ZstdSettings(), HostPool(16 << 20))
+    waves = 3 * ENCODE_STREAMS
+    state = {"w": torch.randn(waves * cs, device="cuda"), "b": torch.randn(cs // 8, device="cuda", dtype=torch.bfloat16)}
+    _, leaves = flatten(state)
+    plan = make_plan(leaves, "ans", cs, gpu_codecs=True)
+    segments = []
+
+    def emit(seg):
+        if len(segments) >= ENCODE_STREAMS:  # the wave before it on the same encode stream
+            assert segments[-ENCODE_STREAMS].wave.read, len(segments)
+        segments.append(seg)
+
+    dev.stage(plan.gpu[torch.cuda.current_device()], [leaf.tensor for leaf in leaves], emit, lambda: None)
+    assert len(segments) >= waves
+    unread = [seg for seg in segments if not seg.wave.read]
+    assert len(unread) <= ENCODE_STREAMS
+    sizes = [n for seg in segments for n in seg.sizes()]
+    assert len(sizes) == sum(len(seg.chunks) for seg in segments) and all(0 < n <= 2 * cs for n in sizes)
+    for seg in segments:
+        seg.release()

@@ -1,7 +1,8 @@
 """The GPU half of save: pack, batched compression into a reused slab, and the writer's GPU steps.
 
-Save, per device, in waves that fit the pack buffer and the slab (all on a side stream that
-first waits for the training stream):
+Save, per device, in waves that fit the pack buffer and the slab (packing on a side stream that
+first waits for the training stream; each wave's compression on one of `ENCODE_STREAMS` streams
+in turn, ordered after its packing and before the next wave's: see `WaveSizes`):
 
     pack tensors (chunk-aligned pieces) -> codec.encode_batch into slab rows
 
@@ -55,32 +56,71 @@ def write_staging_bytes(gpu_buffer: int) -> int:
     return min(_WRITE_STAGING, max(1 << 20, gpu_buffer // 16 // ALIGNMENT * ALIGNMENT))
 
 
+class WaveSizes:
+    """A wave's compressed sizes, read once, by whichever thread asks first: the writer, or the
+    stager before it queues more work on the wave's encode stream.
+
+    nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: with
+    later waves queued behind it on that stream, every Python thread (training's too) stood still
+    until they had run as well (H100: 125 ms behind 150 ms of queued work; runs 153-156). So each
+    wave is encoded on one of `ENCODE_STREAMS` streams in turn, and a stream gets a new wave only
+    once the sizes of its last one are read: nvCOMP never finds work queued behind the batch it
+    reads. The wait for the wave's GPU work goes through torch first, which lets the GIL go."""
+
+    def __init__(self, pendings: list[tuple[PendingSizes, int]], ready: torch.cuda.Event, device_index: int):
+        self._pendings: list[tuple[PendingSizes, int]] | None = pendings
+        self.ready = ready
+        self._index = device_index
+        self._sizes: list[int] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def read(self) -> bool:
+        """The sizes have been read (nothing queued behind the batch may wait for them now)."""
+        return self._sizes is not None
+
+    def get(self) -> list[int]:
+        with self._lock:
+            if self._sizes is None:
+                self.ready.synchronize()
+                out: list[int] = []
+                for pending, n in self._pendings or ():
+                    # On the writer thread, whose current device is cuda:0 whatever GPU this rank
+                    # uses: nvCOMP's batch must be read on its own device.
+                    with torch.cuda.device(self._index):
+                        got = pending.sizes()
+                    if len(got) != n:
+                        raise RuntimeError(f"codec returned {len(got)} sizes for {n} chunks")
+                    out.extend(got)
+                # (the batches hold the slab and pack buffers: let them go once read)
+                self._sizes, self._pendings = out, None
+            return self._sizes
+
+
+ENCODE_STREAMS = 4
+"""Streams a device's waves are encoded on in turn (`WaveSizes`): the stager runs at most this many
+waves ahead of the GPU's compression."""
+
+
 @dataclass
 class RowsSegment:
     """A wave of compressed chunks, one per row of the GPU slab."""
 
     chunks: list[ChunkRef]
-    pendings: list[tuple[PendingSizes, int]]
+    wave: WaveSizes
     rows: torch.Tensor
-    ready: torch.cuda.Event
     release: Callable[[], None]
     device: "GpuDevice"
     drain: bool = False
     """The save needs these rows again: the writer drains them through pinned host memory."""
 
+    @property
+    def ready(self) -> torch.cuda.Event:
+        """Recorded after the wave's compression."""
+        return self.wave.ready
+
     def sizes(self) -> list[int]:
-        # Wait through torch (it releases the GIL) before asking nvCOMP, whose wait may not.
-        self.ready.synchronize()
-        out: list[int] = []
-        for pending, n in self.pendings:
-            # On the writer thread, whose current device is cuda:0 whatever GPU this rank uses:
-            # nvCOMP's batch must be read on its own device.
-            with torch.cuda.device(self.device.index):
-                got = pending.sizes()
-            if len(got) != n:
-                raise RuntimeError(f"codec returned {len(got)} sizes for {n} chunks")
-            out.extend(got)
-        return out
+        return self.wave.get()
 
 
 class EncodeClock:
@@ -157,6 +197,10 @@ class GpuDevice:
     does."""
     stream: torch.cuda.Stream = field(init=False)
     writer_stream: torch.cuda.Stream = field(init=False)
+    encode_streams: list[torch.cuda.Stream] = field(init=False)
+    """A save's waves are encoded on these in turn (`WaveSizes`)."""
+    _last_waves: list[WaveSizes | None] = field(default_factory=lambda: [None] * ENCODE_STREAMS, init=False)
+    _next_encoder: int = field(default=0, init=False)
     _slab: torch.Tensor | None = field(default=None, init=False)
     _ring: RowRing | None = field(default=None, init=False)
     _stride: int = field(default=0, init=False)
@@ -175,6 +219,7 @@ class GpuDevice:
         dev = torch.device("cuda", self.index)
         self.stream = torch.cuda.Stream(dev, priority=self.priority)
         self.writer_stream = torch.cuda.Stream(dev, priority=self.priority)
+        self.encode_streams = [torch.cuda.Stream(dev, priority=self.priority) for _ in range(ENCODE_STREAMS)]
         # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
         # training, rather than inside the first save's drain.
         self._warm_up = threading.Thread(target=gpu_checksum.warm_up, args=(self.index,), name="tiered-warm-up",
@@ -217,6 +262,8 @@ class GpuDevice:
             if self._ring is not None:
                 # A codec with a larger bound appeared: wait until nothing is in flight, then regrow.
                 self._ring.acquire(self._ring.rows)
+            # (a wave released unread, after a failure, still holds the old slab through nvCOMP)
+            self._last_waves = [None] * ENCODE_STREAMS
             self._slab = None
             wave_rows = self.budgets.pack_buffer // self.chunk_size + 1
             others = (0 if self._pack is not None else self.budgets.pack_buffer) + 2 * _WRITE_STAGING
@@ -258,7 +305,8 @@ class GpuDevice:
 
     def _stage(self, plans, tensors, emit, on_block, after) -> torch.cuda.Event:
         clock = time.perf_counter
-        t = {"layout_ms": 0.0, "pack_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0, "emit_ms": 0.0}
+        t = {"layout_ms": 0.0, "pack_ms": 0.0, "wait_encoder_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0,
+             "emit_ms": 0.0}
         self.timings = t
         t0 = clock()
         if not any(p.nbytes for p in plans):
@@ -294,20 +342,31 @@ class GpuDevice:
                 wave.pack(tensors, contiguous, self.chunk_size)
                 if wi == len(layout.waves) - 1:
                     reads_done = _recorded(self.stream)
-                t3 = clock()
-                timed = encode_clock.start(self.stream) if encode_clock is not None else None
-                pendings = [(codec.encode_batch(self.stream, self.chunk_size, pack, wave.offsets[a:b], wave.raw_sizes[a:b],
+            t3 = clock()
+            k = self._next_encoder
+            self._next_encoder = (k + 1) % ENCODE_STREAMS
+            last = self._last_waves[k]
+            if last is not None:  # (nothing may be queued behind a batch whose sizes are unread)
+                last.get()
+            t3e = clock()
+            enc = self.encode_streams[k]
+            enc.wait_stream(self.stream)  # (the pack)
+            with torch.cuda.stream(enc):
+                timed = encode_clock.start(enc) if encode_clock is not None else None
+                pendings = [(codec.encode_batch(enc, self.chunk_size, pack, wave.offsets[a:b], wave.raw_sizes[a:b],
                                                 self._slab, [(start + r) * stride for r in range(a, b)], stride), b - a)
                             for codec, a, b in wave.groups]
                 if timed is not None:
-                    encode_clock.stop(self.stream, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
+                    encode_clock.stop(enc, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
+                sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index)
+            self.stream.wait_event(sizes.ready)  # (the next wave's pack reuses the pack buffer)
             t4 = clock()
             remaining -= n
-            emit(RowsSegment(wave.chunks, pendings, rows, _recorded(self.stream), lambda s=start: ring.release(s),
-                             device=self, drain=drain))
+            emit(RowsSegment(wave.chunks, sizes, rows, lambda s=start: ring.release(s), device=self, drain=drain))
             t["wait_rows_ms"] += 1e3 * (t2 - t1)
             t["pack_ms"] += 1e3 * (t3 - t2)
-            t["encode_ms"] += 1e3 * (t4 - t3)
+            t["wait_encoder_ms"] += 1e3 * (t3e - t3)
+            t["encode_ms"] += 1e3 * (t4 - t3e)
             t["emit_ms"] += 1e3 * (clock() - t4)
         assert reads_done is not None
         if after is None:
