@@ -213,9 +213,10 @@ def test_gpu_compression_does_not_wait_for_the_default_stream():
 @pytest.mark.gpu
 def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read():
     """nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: a
-    wave queued behind an unread one would make that read wait for it too (tiered.gpu.WaveSizes)."""
+    wave queued behind an unread one would make that read wait for it too (tiered.gpu_waves.WaveSizes)."""
     from tiered.config import Budgets
-    from tiered.gpu import ENCODE_STREAMS, GpuDevice
+    from tiered.gpu import GpuDevice
+    from tiered.gpu_waves import ENCODE_STREAMS
     from tiered.plan import make_plan
     from tiered.staging import HostPool
     from tiered.tree import flatten

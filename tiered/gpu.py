@@ -38,8 +38,9 @@ from tiered.config import Budgets, ZstdSettings
 from tiered.chunks import ALIGNMENT, extent_runs
 from tiered.format import TensorRecord
 from tiered.gpu_layout import Layout
+from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
-from tiered.plan import ChunkRef, TensorPlan
+from tiered.plan import TensorPlan
 from tiered.staging import HostPool, RowRing
 from tiered.units import format_size, round_up
 
@@ -54,130 +55,6 @@ def write_staging_bytes(gpu_buffer: int) -> int:
     """Bytes of each of the two write staging buffers: _WRITE_STAGING, or a sixteenth of the
     gpu_buffer budget where that is smaller (at least 1 MiB), so that small budgets stay small."""
     return min(_WRITE_STAGING, max(1 << 20, gpu_buffer // 16 // ALIGNMENT * ALIGNMENT))
-
-
-class WaveSizes:
-    """A wave's compressed sizes, read once, by whichever thread asks first: the writer, or the
-    stager before it queues more work on the wave's encode stream.
-
-    nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: with
-    later waves queued behind it on that stream, every Python thread (training's too) stood still
-    until they had run as well (H100: 125 ms behind 150 ms of queued work; runs 153-156). So each
-    wave is encoded on one of `ENCODE_STREAMS` streams in turn, and a stream gets a new wave only
-    once the sizes of its last one are read: nvCOMP never finds work queued behind the batch it
-    reads. The wait for the wave's GPU work goes through torch first, which lets the GIL go."""
-
-    def __init__(self, pendings: list[tuple[PendingSizes, int]], ready: torch.cuda.Event, device_index: int):
-        self._pendings: list[tuple[PendingSizes, int]] | None = pendings
-        self.ready = ready
-        self._index = device_index
-        self._sizes: list[int] | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def read(self) -> bool:
-        """The sizes have been read (nothing queued behind the batch may wait for them now)."""
-        return self._sizes is not None
-
-    def get(self) -> list[int]:
-        with self._lock:
-            if self._sizes is None:
-                self.ready.synchronize()
-                out: list[int] = []
-                for pending, n in self._pendings or ():
-                    # On the writer thread, whose current device is cuda:0 whatever GPU this rank
-                    # uses: nvCOMP's batch must be read on its own device.
-                    with torch.cuda.device(self._index):
-                        got = pending.sizes()
-                    if len(got) != n:
-                        raise RuntimeError(f"codec returned {len(got)} sizes for {n} chunks")
-                    out.extend(got)
-                # (the batches hold the slab and pack buffers: let them go once read)
-                self._sizes, self._pendings = out, None
-            return self._sizes
-
-
-ENCODE_STREAMS = 4
-"""Streams a device's waves are encoded on in turn (`WaveSizes`): the stager runs at most this many
-waves ahead of the GPU's compression."""
-
-
-@dataclass
-class RowsSegment:
-    """A wave of compressed chunks, one per row of the GPU slab."""
-
-    chunks: list[ChunkRef]
-    wave: WaveSizes
-    rows: torch.Tensor
-    release: Callable[[], None]
-    device: "GpuDevice"
-    drain: bool = False
-    """The save needs these rows again: the writer drains them through pinned host memory."""
-
-    @property
-    def ready(self) -> torch.cuda.Event:
-        """Recorded after the wave's compression."""
-        return self.wave.ready
-
-    def sizes(self) -> list[int]:
-        return self.wave.get()
-
-
-class EncodeClock:
-    """GPU time of one save's batched encodes: CUDA events around each wave's encode calls, read
-    once the save is done. `codec: auto` takes the save codec's throughput from it: full batches,
-    on the save's stream, beside the training that the save really ran with, and no memory or GPU
-    work of its own (a measurement repeated to a full batch took ~530 MiB and ~300 ms of the
-    step it ran beside: runs 142-149)."""
-
-    def __init__(self) -> None:
-        self._waves: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
-
-    def start(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        return ev
-
-    def stop(self, stream: torch.cuda.Stream, start: torch.cuda.Event, names: set[str], raw_bytes: int) -> None:
-        """Close a wave opened with `start`; a wave of more than one codec is not attributed."""
-        if len(names) == 1:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(stream)
-            self._waves.append((next(iter(names)), raw_bytes, start, end))
-
-    def rates(self) -> dict[str, float]:
-        """Raw bytes per second of GPU encode time, per codec name (waits for the events)."""
-        raw: dict[str, int] = {}
-        ms: dict[str, float] = {}
-        for name, n, start, end in self._waves:
-            end.synchronize()
-            raw[name] = raw.get(name, 0) + n
-            ms[name] = ms.get(name, 0.0) + start.elapsed_time(end)
-        return {name: raw[name] / (ms[name] / 1e3) for name in raw if ms[name] > 0}
-
-
-@dataclass
-class DrainedRows:
-    """A wave whose drain `GpuDevice.issue_drain` has issued: once `done` has fired, the rows'
-    checksums are in `io[1]` and each run of rows lies in its host extent."""
-
-    sizes: list[int]
-    io: torch.Tensor
-    """Pinned int64 (3, rows): the sizes, the checksums once `done` has fired, the packed offsets."""
-    runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]]
-    """(first row, end row, the host extent, its release) per run."""
-    done: torch.cuda.Event
-
-    def wait(self) -> list[int]:
-        """Wait for the copies (the GIL is released meanwhile); the rows' wsum64 checksums."""
-        self.done.synchronize()
-        return unsigned(self.io[1])
-
-    def release_hosts(self) -> None:
-        """After a failure: give the host pages back (once nothing copies into them any more)."""
-        self.done.synchronize()
-        for _, _, _, release in self.runs:
-            release()
 
 
 @dataclass
@@ -347,7 +224,7 @@ class GpuDevice:
             self._next_encoder = (k + 1) % ENCODE_STREAMS
             last = self._last_waves[k]
             if last is not None:  # (nothing may be queued behind a batch whose sizes are unread)
-                last.get()
+                last.settle()
             t3e = clock()
             enc = self.encode_streams[k]
             enc.wait_stream(self.stream)  # (the pack)
@@ -526,15 +403,18 @@ class GpuDevice:
         return max(1, min(self.budgets.pack_buffer // self.chunk_size, 256))
 
     def _encode_slots(self, codec: Any, srcs: Sequence[torch.Tensor], pack: torch.Tensor, slab: torch.Tensor,
-                      stride: int, stream: torch.cuda.Stream | None = None) -> PendingSizes:
+                      stride: int, stream: torch.cuda.Stream | None = None, packed: bool = False) -> PendingSizes:
         """Pack `srcs` (1-D uint8 on this GPU, at most chunk_size bytes each) one per chunk slot of
         `pack` and encode them in one batched call into rows of `stride` bytes of `slab`; on the
-        current stream (`stream`, default self.stream), as a save's wave does."""
+        current stream (`stream`, default self.stream), as a save's wave does; `packed`: `pack`
+        holds them already."""
         cs = self.chunk_size
         for src in srcs:
             if src.numel() > cs:
                 raise ValueError(f"chunk of {src.numel()} bytes exceeds chunk_size {cs}")
-        if type(codec).pack is Codec.pack:
+        if packed:  # (`pack` holds them already)
+            pass
+        elif type(codec).pack is Codec.pack:
             torch._foreach_copy_([pack[k * cs:k * cs + src.numel()] for k, src in enumerate(srcs)], list(srcs))
         else:
             for k, src in enumerate(srcs):
@@ -572,12 +452,16 @@ class GpuDevice:
         fewer than the sample) and the time is scaled back to the sample's bytes: nvCOMP's
         throughput grows with the batch (zstd: 0.4 GB/s for 16 chunks, several GB/s for
         hundreds), so a batch smaller than a save's measures a lower bound. The buffers take
-        `slots` × (chunk_size + the codec's bound) of new GPU memory."""
+        `slots` × (chunk_size + the codec's bound) of new GPU memory. The timed call encodes what
+        the warm-up call packed: the encode alone, after this device's kernels are compiled (its
+        warm-up thread, compiling beside the timed call, held the host up for longer than the GPU
+        was kept busy: ANS timed at 9-17 GB/s, against ~260 GB/s in a save's own waves)."""
         codec = get_codec(spec, self.zstd)
         cs, n = self.chunk_size, len(chunks)
         slots = max(n, self.batch_chunks if slots is None else slots)
         stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
         stream = stream or self.stream
+        self.wait_warm()
         with torch.cuda.device(self.index), torch.cuda.stream(stream):
             src = [c.to(self.device) for c in chunks]
             srcs = [src[k % n] for k in range(slots)]
@@ -591,7 +475,7 @@ class GpuDevice:
             if sleep is not None:
                 sleep(50_000_000)
             start.record(stream)
-            pending = self._encode_slots(codec, srcs, pack, slab, stride, stream)
+            pending = self._encode_slots(codec, srcs, pack, slab, stride, stream, packed=True)
             end.record(stream)
             end.synchronize()
             sizes = pending.sizes()

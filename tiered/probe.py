@@ -156,7 +156,7 @@ def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, s
 
     GPU encodes run on `stream` (default the device's own), the sample repeated to `slots`
     chunks (default a full batch: `GpuDevice.measure_encode`). `rates` (bytes/s of GPU encode, by codec
-    name, as a save measured them: `tiered.gpu.EncodeClock`) stand for the sample's throughput
+    name, as a save measured them: `tiered.gpu_waves.EncodeClock`) stand for the sample's throughput
     of those codecs; the sample still gives their ratio."""
     out = []
     raw = max(sample.raw_bytes, 1)
@@ -222,7 +222,7 @@ class FastTierCodec:
 
     On a GPU the measurement runs beside training, so it takes little. A state of at least one
     full batch of chunks gives the save codec's throughput from the first save itself (its waves
-    timed on the GPU: `tiered.gpu.EncodeClock`); every GPU codec's ratio, and the other codecs'
+    timed on the GPU: `tiered.gpu_waves.EncodeClock`); every GPU codec's ratio, and the other codecs'
     throughput, come from the sample encoded as one batch of its own on a stream of its own (~2 ×
     the sample's bytes of GPU memory). That throughput is a lower bound (16 chunks keep fewer of
     the GPU's units busy than a save's hundreds), so the policy leans toward the codec the saves
