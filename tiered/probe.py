@@ -155,9 +155,9 @@ def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, s
     codec are kept as they are (no encode time, their stored size).
 
     GPU encodes run on `stream` (default the device's own), the sample repeated to `slots`
-    chunks (default a full batch: `GpuDevice.measure_encode`). `rates` (bytes/s of GPU encode, by codec
-    name, as a save measured them: `tiered.gpu_waves.EncodeClock`) stand for the sample's throughput
-    of those codecs; the sample still gives their ratio."""
+    chunks (default a full batch: `GpuDevice.measure_encode`). `rates` (bytes/s of GPU encode,
+    by codec name, as a save measured them: `tiered.gpu_waves.EncodeClock`) stand for the
+    sample's throughput of those codecs; the sample still gives their ratio."""
     out = []
     raw = max(sample.raw_bytes, 1)
     for name in names:
@@ -222,14 +222,15 @@ class FastTierCodec:
 
     On a GPU the measurement runs beside training, so it takes little. A state of at least one
     full batch of chunks gives the save codec's throughput from the first save itself (its waves
-    timed on the GPU: `tiered.gpu_waves.EncodeClock`); every GPU codec's ratio, and the other codecs'
-    throughput, come from the sample encoded as one batch of its own on a stream of its own (~2 ×
-    the sample's bytes of GPU memory). That throughput is a lower bound (16 chunks keep fewer of
-    the GPU's units busy than a save's hundreds), so the policy leans toward the codec the saves
-    already run; pin `codec` where a full batch should decide (`scripts/bench.py` prints each
-    GPU codec's full-batch throughput). A smaller state is measured at a full batch where
-    `FULL_BATCH_ROOM` times its memory is free, else at the batch its own saves run. Before, a 256-chunk batch of every codec took
-    ~530 MiB of new GPU memory and ~300 ms of the step beside it (runs 142-149).
+    timed on the GPU: `tiered.gpu_waves.EncodeClock`); every GPU codec's ratio, and the other
+    codecs' throughput, come from the sample encoded as one batch of its own on a stream of its
+    own (~2 × the sample's bytes of GPU memory). That throughput is a lower bound (16 chunks keep
+    fewer of the GPU's units busy than a save's hundreds), so the policy leans toward the codec
+    the saves already run; pin `codec` where a full batch should decide (`scripts/bench.py`
+    prints each GPU codec's full-batch throughput). A smaller state is measured at a full batch
+    where `FULL_BATCH_ROOM` times its memory is free, else at the batch its own saves run.
+    Before, a 256-chunk batch of every codec took ~530 MiB of new GPU memory and ~300 ms of the
+    step beside it (runs 142-149).
     """
 
     def __init__(self, config: Any, tier: Any, workers: Any):
