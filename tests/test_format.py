@@ -198,3 +198,16 @@ def test_an_index_is_the_json_of_its_records_and_its_chunks_are_no_objects_for_t
     gc.collect()
     assert len(gc.get_objects()) - before < 100  # (not one per chunk)
     assert big[-1] == ChunkRecord(19_999 * 4096, 4000, 1 << 20, (1 << 64) - 20_000)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 255, 256, 257, 600])
+def test_packed_chunk_rows_make_the_same_json_as_their_records(n):
+    """A save's writer formats packed rows a block at a time (`ChunkTable.packed_json`): the text
+    is the records' JSON, checksums over 2**63 included."""
+    from tiered.format import ChunkRecord, ChunkTable
+
+    records = [ChunkRecord(j * 4096, 4000 + j, 1 << 20, (1 << 64) - 1 - 7 * j) for j in range(n)]
+    rows = bytearray(b"".join(ChunkTable.ROW.pack(*r) for r in records))
+    expected = json.dumps([[r.offset, r.size, r.raw_size, f"{r.checksum:016x}"] for r in records],
+                          separators=(",", ":"))
+    assert ChunkTable.packed_json(rows) == ChunkTable.packed(rows).to_json() == ChunkTable(records).to_json() == expected
