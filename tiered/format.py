@@ -232,14 +232,17 @@ def index_json(*, rank: int, data_file: str, data_bytes: int, chunk_size: int, s
     # as text too (json.dumps of a dict per tensor was most of the time), the strings through
     # json.dumps; the bytes are the same as json.dumps would make.
     codecs: dict[CodecSpec, str] = {}
+    names: dict[str, str] = {}  # (dtypes and devices: a few distinct values)
 
     def one(index: int, name: str, dtype: str, shape: Sequence[int], device: str, is_numpy: bool, codec: CodecSpec,
             chunks: str) -> str:
         text = codecs.get(codec)
         if text is None:
             text = codecs[codec] = _dumps(codec.to_json())
-        return (f'{{"index":{index},"name":{_dumps(name)},"dtype":{_dumps(dtype)},'
-                f'"shape":[{",".join(map(str, shape))}],"device":{_dumps(device)},'
+        dtype_text = names.get(dtype) or names.setdefault(dtype, _string(dtype))
+        device_text = names.get(device) or names.setdefault(device, _string(device))
+        return (f'{{"index":{index},"name":{_string(name)},"dtype":{dtype_text},'
+                f'"shape":[{",".join(map(str, shape))}],"device":{device_text},'
                 f'"numpy":{"true" if is_numpy else "false"},"codec":{text},"chunks":{chunks}}}')
 
     body = ",".join([one(*t) for t in tensors])
@@ -248,6 +251,10 @@ def index_json(*, rank: int, data_file: str, data_bytes: int, chunk_size: int, s
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 """Made once: json.dumps with options builds an encoder per call (~1 us; an index calls it per tensor)."""
+
+
+_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+"""A str as `_ENCODER` writes it (it calls this for a str), without the encoder's dispatch."""
 
 
 def _dumps(doc: Any) -> str:
