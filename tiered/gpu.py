@@ -178,6 +178,8 @@ class GpuDevice:
                 return self._stage(plans, tensors, emit, on_block, after)
             except BaseException:
                 self.stream.synchronize()
+                for enc in self.encode_streams:  # (a batch issued before the failure may still
+                    enc.synchronize()            # write rows the next save is handed)
                 raise
 
     def _stage(self, plans, tensors, emit, on_block, after) -> torch.cuda.Event:
@@ -444,8 +446,8 @@ class GpuDevice:
 
     def measure_encode(self, chunks: Sequence[torch.Tensor], spec: Any, *, slots: int | None = None,
                        stream: torch.cuda.Stream | None = None) -> tuple[float, int]:
-        """(seconds, stored bytes) to pack and encode `chunks` (1-D uint8, at most chunk_size
-        bytes each; moved to this GPU first, untimed) on the GPU: one batched call, timed with CUDA
+        """(seconds, stored bytes) to encode `chunks` (1-D uint8, at most chunk_size bytes each;
+        moved to this GPU and packed first, untimed) on the GPU: one batched call, timed with CUDA
         events after a warm-up call, on `stream` (default self.stream).
 
         The sample is repeated to `slots` chunks (default `batch_chunks`, a full batch; never
