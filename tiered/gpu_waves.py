@@ -103,7 +103,7 @@ class RowsSegment:
 class EncodeClock:
     """GPU time of one save's batched encodes: CUDA events around each wave's encode calls, read
     once the save is done. `codec: auto` takes the save codec's throughput from it: full batches,
-    on the save's stream, beside the training that the save really ran with, and no memory or GPU
+    on the save's encode streams, beside the training that the save really ran with, and no memory or GPU
     work of its own (a measurement repeated to a full batch took ~530 MiB and ~300 ms of the
     step it ran beside: runs 142-149)."""
 
