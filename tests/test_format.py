@@ -211,3 +211,36 @@ def test_packed_chunk_rows_make_the_same_json_as_their_records(n):
     expected = json.dumps([[r.offset, r.size, r.raw_size, f"{r.checksum:016x}"] for r in records],
                           separators=(",", ":"))
     assert ChunkTable.packed_json(rows) == ChunkTable.packed(rows).to_json() == ChunkTable(records).to_json() == expected
+
+
+def test_a_save_writes_its_index_with_no_record_object_per_tensor(tmp_path, monkeypatch):
+    """A save's writer makes the index text from its plans and packed rows (`format.index_json`):
+    records made per tensor lived long enough to be promoted into the collector's oldest
+    generation and set off full passes over the training process every few saves (GPU run 153).
+    The index reads back as the same records."""
+    import tiered
+    from tiered import chunks, format as fmt
+
+    made = []
+
+    def counted(real):
+        def init(self, *args, **kwargs):
+            made.append(type(self).__name__)
+            real(self, *args, **kwargs)
+        return init
+
+    for cls in (fmt.TensorRecord, chunks.ChunkTable):
+        monkeypatch.setattr(cls, "__init__", counted(cls.__init__))
+    state = {f"layer{i}": torch.full((20_000 + 9_000 * i,), float(i)) for i in range(50)}  # 1-28 chunks each
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "local"), "codec": "none"}],
+           "chunk_size": "64KiB"}
+    with tiered.Engine.from_config(cfg) as engine:
+        made.clear()
+        engine.save(1, state).wait()
+        assert made == []
+        monkeypatch.undo()
+        _, indexes = fmt.read_step(engine.saves.tier, 1)
+        assert sorted(t.name for t in indexes[0].tensors) == sorted(state)
+        assert all(len(t.chunks) == -(-t.nbytes // (64 << 10)) for t in indexes[0].tensors)
+        out = engine.load(1)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
