@@ -439,8 +439,7 @@ def tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpe
             cs = index.chunk_size
             parts = [window[(j - w) * cs:(j - w) * cs + rec.chunks[j].raw_size] for j in idx]
             yield from zip((rec.chunks[j] for j in idx), (_encoded(b) for b in gpu.encode_chunks(parts, spec)))
-            if progress:
-                progress(sum(rec.chunks[j].raw_size for j in idx))
+            _report(progress, [(rec, j) for j in idx])
     finally:
         if dev_reader is not None:
             dev_reader.close()
