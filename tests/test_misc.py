@@ -168,6 +168,54 @@ def test_wave_bounds(case):
     assert wave_bounds(case["sizes"], case["pack"], case["rows"]) == case["expected"]
 
 
+def test_a_layout_packs_every_chunk_where_its_offsets_say():
+    """`Layout.build` (a GPU save's waves, built once per structure of state: per run of a
+    tensor's chunks, not per chunk), on the CPU: every chunk is in exactly one wave, in order;
+    waves keep to the pack buffer and the slab's rows; each codec group is one spec; and packing a
+    wave puts every chunk's bytes (shuffled, for zstd) at its offset in the pack buffer."""
+    from tiered.codecs import get_codec_class
+    from tiered.codecs.base import Codec
+    from tiered.config import ZstdSettings
+    from tiered.gpu_layout import PACK_ALIGN, Layout, bytes_of
+    from tiered.plan import TensorPlan, chunk_refs
+    from tiered.units import round_up
+
+    cs, rows = 64 << 10, 12
+    g = torch.Generator().manual_seed(7)
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8]
+    tensors, plans = [], []
+    for i in range(80):
+        dt = dtypes[i % 4]
+        numel = (i * 7919 * 61) % (3 * cs) // dt.itemsize + 1
+        tensors.append(torch.randint(0, 256, (numel * dt.itemsize,), dtype=torch.uint8, generator=g).view(dt))
+        spec = get_codec_class("zstd" if i % 3 else "none").spec_for(dt)
+        plans.append(TensorPlan(i, f"t{i}", spec, False, cs, numel * dt.itemsize, dt, (numel,), "cuda:0"))
+    plans.sort(key=lambda p: (p.spec.name, str(p.spec.configuration)))  # (as make_plan groups them)
+    pack = torch.zeros(6 * cs + 4096, dtype=torch.uint8)
+    layout = Layout.build(plans, pack, rows, cs + 8192, cs, ZstdSettings())
+    assert [c for w in layout.waves for c in w.chunks] == chunk_refs(plans)
+    assert len(layout.waves) > 5
+    for wave in layout.waves:
+        assert len(wave.chunks) <= rows
+        assert len(wave.chunks) == 1 or sum(round_up(n, PACK_ALIGN) for n in wave.raw_sizes) <= pack.numel()
+        assert wave.raw_sizes == [c.raw_size for c in wave.chunks]
+        assert [m for _, a, b in wave.groups for m in range(a, b)] == list(range(len(wave.chunks)))
+        codec_of = {}
+        for codec, a, b in wave.groups:
+            assert {c.plan.spec for c in wave.chunks[a:b]} == {codec.spec}
+            codec_of.update((m, codec) for m in range(a, b))
+        pack.zero_()
+        wave.pack(tensors, {}, cs)
+        for m, c in enumerate(wave.chunks):
+            got = pack[wave.offsets[m]:wave.offsets[m] + c.raw_size]
+            want = bytes_of(tensors[c.plan.index])[c.j * cs:c.j * cs + c.raw_size]
+            if type(codec_of[m]).pack is not Codec.pack:  # (zstd shuffles bytes as it packs)
+                out = torch.empty_like(got)
+                codec_of[m].unpack(out, got, cs)
+                got = out
+            assert torch.equal(got, want), (m, c.plan.name, c.j)
+
+
 def test_row_ring_on_block_called_only_when_waiting():
     import threading
 

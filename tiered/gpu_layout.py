@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec
 from tiered.config import ZstdSettings
-from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
+from tiered.plan import ChunkRef, TensorPlan, chunk_refs
 from tiered.units import round_up
 
 PACK_ALIGN = 256
@@ -74,34 +75,79 @@ class Layout:
     @classmethod
     def build(cls, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int, chunk_size: int,
               zstd: ZstdSettings) -> "Layout":
+        """Built once per structure of state, in the first save, on the stager thread: its Python
+        comes out of a training loop that shares the GIL. So the work is per run of a tensor's
+        chunks, not per chunk, and whole tensors are views of one typed view of the pack buffer
+        per dtype. The 24 GB bench state (5,910 GPU tensors, 27,030 chunks) built in ~0.24 s on
+        the 2-core CI machine when this went chunk by chunk, ~0.1 s now."""
         chunks = chunk_refs(plans)
+        raw = [c.raw_size for c in chunks]
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        codecs: dict[Any, tuple[Codec, bool]] = {}
         waves = []
-        for i, k in wave_bounds([c.raw_size for c in chunks], pack.numel(), rows):
+        runs = _Runs(plans)
+        for i, k in wave_bounds(raw, pack.numel(), rows):
             wave = chunks[i:k]
             offsets: list[int] = []
             whole: list[int] = []
             whole_dsts: list[torch.Tensor] = []
             parts: list[tuple[int, int, int, torch.Tensor, Codec | None]] = []
-            pos = 0
-            for plan, j0, n in pieces(wave):
-                codec = get_codec(plan.spec, zstd)
-                plain = type(codec).pack is Codec.pack
+            groups: list[tuple[Codec, int, int]] = []
+            pos = at = 0
+            for plan, j0, n in runs.within(i, k):
+                got = codecs.get(plan.spec)
+                if got is None:
+                    codec = get_codec(plan.spec, zstd)
+                    got = codecs[plan.spec] = (codec, type(codec).pack is Codec.pack)
+                codec, plain = got
                 lo, hi = j0 * chunk_size, min(plan.nbytes, (j0 + n) * chunk_size)
-                if plain and lo == 0 and hi == plan.nbytes:
+                if plain and lo == 0 and hi == plan.nbytes and pos % plan.dtype.itemsize == 0:
                     whole.append(plan.index)
-                    whole_dsts.append(pack[pos:pos + hi].view(plan.dtype).view(plan.shape))
+                    view = typed.get(plan.dtype)
+                    if view is None:
+                        view = typed[plan.dtype] = pack[:pack.numel() // plan.dtype.itemsize * plan.dtype.itemsize] \
+                            .view(plan.dtype)
+                    size = plan.dtype.itemsize
+                    whole_dsts.append(view[pos // size:(pos + hi) // size].view(plan.shape))
                 else:
                     parts.append((plan.index, lo, hi, pack[pos:pos + hi - lo], None if plain else codec))
-                offsets.extend(pos + m * chunk_size for m in range(n))
+                offsets.extend(range(pos, pos + n * chunk_size, chunk_size))
                 pos = round_up(pos + hi - lo, PACK_ALIGN)
-            groups: list[tuple[Codec, int, int]] = []
-            for a, c in enumerate(wave):
-                if groups and groups[-1][0].spec == c.plan.spec:
-                    groups[-1] = (groups[-1][0], groups[-1][1], a + 1)
+                # (one batched codec call per run of chunks of one spec)
+                if groups and groups[-1][0].spec == plan.spec:
+                    groups[-1] = (groups[-1][0], groups[-1][1], at + n)
                 else:
-                    groups.append((get_codec(c.plan.spec, zstd), a, a + 1))
-            waves.append(Wave(wave, offsets, [c.raw_size for c in wave], groups, whole, whole_dsts, parts))
+                    groups.append((codec, at, at + n))
+                at += n
+            waves.append(Wave(wave, offsets, raw[i:k], groups, whole, whole_dsts, parts))
         return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves)
+
+
+class _Runs:
+    """The runs of one tensor's chunks in chunk order (`plan.pieces` of a wave) for consecutive
+    ranges of `chunk_refs(plans)`, found per tensor, not per chunk."""
+
+    def __init__(self, plans: Sequence[TensorPlan]):
+        self.plans = [p for p in plans if p.nchunks]
+        self.starts = [0]
+        for p in self.plans:
+            self.starts.append(self.starts[-1] + p.nchunks)
+        self._t = 0
+
+    def within(self, i: int, k: int) -> list[tuple[TensorPlan, int, int]]:
+        """(plan, first chunk, count) of chunks [i, k); ranges asked for in order."""
+        out = []
+        t, starts = self._t, self.starts
+        while starts[t + 1] <= i:
+            t += 1
+        while t < len(self.plans) and starts[t] < k:
+            j0 = max(i - starts[t], 0)
+            out.append((self.plans[t], j0, min(k, starts[t + 1]) - starts[t] - j0))
+            if starts[t + 1] > k:
+                break
+            t += 1
+        self._t = t
+        return out
 
 
 def file_runs(chunks: Sequence[Any]) -> list[tuple[int, int, list[int]]]:
@@ -120,14 +166,14 @@ def file_runs(chunks: Sequence[Any]) -> list[tuple[int, int, list[int]]]:
 def wave_bounds(raw_sizes: Sequence[int], pack_bytes: int, max_rows: int) -> list[tuple[int, int]]:
     """[(i, k)]: consecutive runs of chunks whose raw bytes fit the pack buffer (each chunk
     aligned to PACK_ALIGN there) and whose count fits `max_rows` slab rows; at least one chunk each."""
+    need = (np.asarray(raw_sizes, dtype=np.int64) + (PACK_ALIGN - 1)) // PACK_ALIGN * PACK_ALIGN
+    ends = np.cumsum(need)
     bounds: list[tuple[int, int]] = []
-    i, used = 0, 0
-    for k, size in enumerate(raw_sizes):
-        need = round_up(size, PACK_ALIGN)
-        if k > i and (used + need > pack_bytes or k - i >= max_rows):
-            bounds.append((i, k))
-            i, used = k, 0
-        used += need
-    if i < len(raw_sizes):
-        bounds.append((i, len(raw_sizes)))
+    i, n = 0, len(need)
+    while i < n:
+        base = int(ends[i - 1]) if i else 0
+        k = min(int(np.searchsorted(ends, base + pack_bytes, side="right")), i + max_rows)
+        k = max(k, i + 1)
+        bounds.append((i, k))
+        i = k
     return bounds

@@ -48,7 +48,13 @@ class ChunkRef:
 
 
 def chunk_refs(plans: "tuple[TensorPlan, ...] | list[TensorPlan]") -> list[ChunkRef]:
-    return [ChunkRef(p, j, p.raw_size(j)) for p in plans for j in range(p.nchunks)]
+    refs: list[ChunkRef] = []
+    for p in plans:
+        n, cs = p.nchunks, p.chunk_size
+        if n:  # (every chunk but the last is whole: `raw_size`)
+            refs.extend([ChunkRef(p, j, cs) for j in range(n - 1)])
+            refs.append(ChunkRef(p, n - 1, p.nbytes - (n - 1) * cs))
+    return refs
 
 
 def pieces(chunks: "list[ChunkRef] | tuple[ChunkRef, ...]") -> list[tuple[TensorPlan, int, int]]:
