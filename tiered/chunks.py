@@ -141,21 +141,34 @@ def _rows_format(n: int) -> tuple[str, struct.Struct]:
     return ",".join(['[%d,%d,%d,"%016x"]'] * n), struct.Struct("<" + "qqqQ" * n)
 
 
+def greedy_runs(ends: np.ndarray, limit: int, max_count: int | None = None) -> list[tuple[int, int]]:
+    """[(first, end)]: consecutive items whose sizes (given as their running sum `ends`) fit
+    `limit` together, at most `max_count` of them; each run as long as it can be, and at least
+    one item, even one larger than `limit`. Searched with numpy, not item by item: the callers
+    run on threads whose Python time a training loop that shares the GIL pays for."""
+    bounds: list[tuple[int, int]] = []
+    i, n = 0, len(ends)
+    while i < n:
+        base = int(ends[i - 1]) if i else 0
+        k = int(np.searchsorted(ends, base + limit, side="right"))
+        if max_count is not None:
+            k = min(k, i + max_count)
+        k = max(k, i + 1)
+        bounds.append((i, k))
+        i = k
+    return bounds
+
+
 def extent_runs(sizes: Sequence[int], limit: int) -> tuple[list[int], list[tuple[int, int, int]], np.ndarray]:
     """How consecutive chunks go out in large writes: (each one's aligned extent, [(first, end,
     bytes)] runs of them whose extents end to end fit `limit` bytes (one alone may not), each
-    one's byte offset in its run). With numpy: a drained wave has thousands of rows, and the
-    writer thread's Python time is taken from a training loop that shares the GIL with it."""
+    one's byte offset in its run). A drained wave has thousands of rows (`greedy_runs`)."""
     ext = (np.asarray(sizes, dtype=np.int64) + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
     ends = np.cumsum(ext)
     starts = ends - ext
     offsets = np.empty_like(ext)
     bounds: list[tuple[int, int, int]] = []
-    i, n = 0, len(ext)
-    while i < n:
-        base = int(starts[i])
-        k = max(i + 1, int(np.searchsorted(ends, base + limit, side="right")))
-        offsets[i:k] = starts[i:k] - base
-        bounds.append((i, k, int(ends[k - 1]) - base))
-        i = k
+    for i, k in greedy_runs(ends, limit):
+        offsets[i:k] = starts[i:k] - starts[i]
+        bounds.append((i, k, int(ends[k - 1] - starts[i])))
     return ext.tolist(), bounds, offsets

@@ -414,11 +414,9 @@ class GpuDevice:
         for src in srcs:
             if src.numel() > cs:
                 raise ValueError(f"chunk of {src.numel()} bytes exceeds chunk_size {cs}")
-        if packed:  # (`pack` holds them already)
-            pass
-        elif type(codec).pack is Codec.pack:
+        if not packed and type(codec).pack is Codec.pack:
             torch._foreach_copy_([pack[k * cs:k * cs + src.numel()] for k, src in enumerate(srcs)], list(srcs))
-        else:
+        elif not packed:
             for k, src in enumerate(srcs):
                 codec.pack(pack[k * cs:k * cs + src.numel()], src, cs)
         return codec.encode_batch(stream or self.stream, cs, pack, [k * cs for k in range(len(srcs))],

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tiered.chunks import greedy_runs
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec
 from tiered.config import ZstdSettings
@@ -19,7 +20,8 @@ from tiered.plan import ChunkRef, TensorPlan, chunk_refs
 from tiered.units import round_up
 
 PACK_ALIGN = 256
-"""Alignment of each tensor run in the pack buffer."""
+"""Alignment of each tensor run in the pack buffer: a multiple of every dtype's size, so a whole
+tensor there is a typed view of the buffer (`Layout.build`)."""
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,7 @@ class Layout:
                     got = codecs[plan.spec] = (codec, type(codec).pack is Codec.pack)
                 codec, plain = got
                 lo, hi = j0 * chunk_size, min(plan.nbytes, (j0 + n) * chunk_size)
-                if plain and lo == 0 and hi == plan.nbytes and pos % plan.dtype.itemsize == 0:
+                if plain and lo == 0 and hi == plan.nbytes:
                     whole.append(plan.index)
                     view = typed.get(plan.dtype)
                     if view is None:
@@ -167,13 +169,4 @@ def wave_bounds(raw_sizes: Sequence[int], pack_bytes: int, max_rows: int) -> lis
     """[(i, k)]: consecutive runs of chunks whose raw bytes fit the pack buffer (each chunk
     aligned to PACK_ALIGN there) and whose count fits `max_rows` slab rows; at least one chunk each."""
     need = (np.asarray(raw_sizes, dtype=np.int64) + (PACK_ALIGN - 1)) // PACK_ALIGN * PACK_ALIGN
-    ends = np.cumsum(need)
-    bounds: list[tuple[int, int]] = []
-    i, n = 0, len(need)
-    while i < n:
-        base = int(ends[i - 1]) if i else 0
-        k = min(int(np.searchsorted(ends, base + pack_bytes, side="right")), i + max_rows)
-        k = max(k, i + 1)
-        bounds.append((i, k))
-        i = k
-    return bounds
+    return greedy_runs(np.cumsum(need), pack_bytes, max_rows)
