@@ -147,7 +147,8 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
             migrated(engine, [3, 4])
             migrated_s = time.perf_counter() - t0
             manifest, index = engine.read_index(3, tier="shared")
-            idle, busy = [], []
+            idle_rounds: list[list[float]] = []
+            busy_rounds: list[list[float]] = []
             idle_stalls, busy_stalls = [idle_stall], [busy_stall]
             for r in range(rounds):
                 step = 10 + 3 * r
@@ -159,21 +160,24 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
                 else:
                     engine.save(step + 1, state).wait()
                 got += steps_until(lambda s=step: {s, s + 1} <= set(engine.steps("shared")), at_least=5)
-                busy += got
+                busy_rounds.append(got)
                 migrated(engine, [step, step + 1])
-                idle += steps_until(lambda: True, at_least=len(got))
+                idle_rounds.append(steps_until(lambda: True, at_least=len(got)))
                 idle_stalls.append(measure_saves(engine, state, device, 1, first_step=step + 2)[0]["stall_ms"])
                 migrated(engine, [step + 2])
     finally:
         if daemon is not None:
             daemon.terminate()
             daemon.wait(60)
+    idle, busy = [t for r in idle_rounds for t in r], [t for r in busy_rounds for t in r]
     idle_step, busy_step = statistics.median(idle), statistics.median(busy)
     shutil.rmtree(root, ignore_errors=True)
     return {"mode": mode, "train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
             "train_step_slowdown_pct": round(100 * (busy_step / idle_step - 1), 1),
             "train_step_ms_idle_quartiles": quartiles(idle), "train_step_ms_migrating_quartiles": quartiles(busy),
             "train_steps_measured": {"idle": len(idle), "migrating": len(busy), "rounds": rounds},
+            "steps_ms": {"idle": [[round(t, 1) for t in r] for r in idle_rounds],
+                         "migrating": [[round(t, 1) for t in r] for r in busy_rounds]},
             "save_stall_ms_idle": round(statistics.median(idle_stalls), 2),
             "save_stall_ms_migrating": round(statistics.median(busy_stalls), 2),
             "save_stalls_ms": {"idle": idle_stalls, "migrating": busy_stalls},
