@@ -57,6 +57,21 @@ def test_the_default_engine_migrates_through_a_child_process(tmp_path):
     assert _lock_free(tmp_path), "the child exited with the engine"
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads listed in /proc (Linux)")
+def test_the_child_and_all_its_threads_run_niced(tmp_path):
+    """Training owns the machine: every thread of the child runs at nice +10 (on Linux a
+    thread's own: the threads its imports start too, not only the main thread and its later
+    ones), while the training process keeps its own priority."""
+    with tiered.Engine.from_config(_config(tmp_path)) as engine:
+        engine.save(1, _state(1)).wait()
+        engine.wait_migrated(120)
+        child = engine._migrator.pid
+        tids = [int(t) for t in os.listdir(f"/proc/{child}/task")]
+        assert len(tids) > 2, "the child's migrator and pool threads"
+        assert {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in tids} == {tid: 10 for tid in tids}
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0
+
+
 def test_close_lets_the_child_finish_the_queue(tmp_path):
     with tiered.Engine.from_config(_config(tmp_path)) as engine:
         for step in (1, 2, 3):

@@ -282,8 +282,8 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from tiered.cpu import WindowBuffers
-    from tiered.migrator import (MigrationLock, apply_retention, background_threads, lower_priority, make_gpu_recoder,
-                                 migrate_down, pending_steps)
+    from tiered.migrator import (MigrationLock, apply_retention, background_threads, lower_process_priority,
+                                 make_gpu_recoder, migrate_down, pending_steps)
 
     config = catalog.config
     if len(config.tiers) < 2:
@@ -298,15 +298,14 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     failures = 0
     try:
+        if not args.full_speed:
+            lower_process_priority()  # (before any thread starts: they inherit it)
         gpu = make_gpu_recoder(config)
         log.info("tiered: migrating %s%s (%s)", " -> ".join(catalog.names), ", following" if args.follow else "",
                  "GPU recompression" if gpu is not None else "CPU recompression")
-        if not args.full_speed:
-            lower_priority()
         threads = (config.zstd.threads or None) if args.full_speed else background_threads()
         buffers = WindowBuffers()  # read windows kept from one step to the next
-        with ThreadPoolExecutor(max_workers=threads, initializer=None if args.full_speed else lower_priority,
-                                thread_name_prefix="tiered-codec") as pool:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec") as pool:
             while True:
                 try:
                     todo = pending_steps(config, catalog.get)

@@ -2,8 +2,8 @@
 
 Migration decodes, recompresses and writes whole checkpoints; on threads of the training process
 it contends with training for the GIL (a step ran 30-125% slower while a step migrated:
-docs/benchmarks.md). In a child process it cannot, and it runs at a lower CPU priority (nice +10)
-on a quarter of the cores.
+docs/benchmarks.md). In a child process it cannot, and it runs at a lower CPU priority (nice +10,
+every thread: `tiered.migrator.lower_process_priority`) on a quarter of the cores.
 
 The child is `python -m tiered.migration_process`. It runs a `tiered.migrator.BackgroundMigrator`
 (the same code as `migration: in_process`: one migrator per fast tier by its lock file, steps an
@@ -152,16 +152,13 @@ def _child() -> int:
     """The child process: a BackgroundMigrator fed from stdin, reporting on stdout."""
     from tiered.catalog import TierCatalog
     from tiered.config import load_config
-    from tiered.migrator import BackgroundMigrator, make_gpu_recoder
+    from tiered.migrator import BackgroundMigrator, lower_process_priority, make_gpu_recoder
 
     handler = logging.StreamHandler(sys.stderr)  # its own progress, in the engine's stderr; not other libraries'
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 10)  # training owns the machine
-    except (AttributeError, OSError):
-        pass
+    lower_process_priority()  # training owns the machine
     config = load_config(json.loads(os.environ["TIERED_MIGRATOR_CONFIG"]))
     out_lock = threading.Lock()
 
