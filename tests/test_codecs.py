@@ -243,3 +243,39 @@ def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_re
     assert len(sizes) == sum(len(seg.chunks) for seg in segments) and all(0 < n <= 2 * cs for n in sizes)
     for seg in segments:
         seg.release()
+
+
+@pytest.mark.gpu
+def test_a_waves_sizes_are_read_after_the_drains_copies_issued_before():
+    """nvCOMP reads a batch's sizes with a small copy to the host, which the copy engine runs
+    after the copies queued before it, and waits for it holding the GIL: the read first waits,
+    through torch, for the work a drain issued (here a copy and a kernel after it, which nvCOMP's
+    read alone would not wait for)."""
+    from tiered.config import Budgets
+    from tiered.gpu import GpuDevice
+    from tiered.plan import make_plan
+    from tiered.staging import HostPool
+    from tiered.tree import flatten
+
+    cs = 64 << 10
+    dev = GpuDevice(torch.cuda.current_device(), cs, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * cs),
+                    ZstdSettings(), HostPool(16 << 20))
+    _, leaves = flatten({"w": torch.randn(8 * cs, device="cuda")})
+    plan = make_plan(leaves, "ans", cs, gpu_codecs=True)
+    segments = []
+    dev.stage(plan.gpu[torch.cuda.current_device()], [leaf.tensor for leaf in leaves], segments.append, lambda: None)
+    segments[-1].wave.ready.synchronize()
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    host = torch.empty_like(big, device="cpu").pin_memory()
+    with torch.cuda.stream(dev.writer_stream):
+        host.copy_(big, non_blocking=True)
+        torch.cuda._sleep(400_000_000)  # (~0.2 s of one kernel after the copy)
+        done = torch.cuda.Event()
+        done.record(dev.writer_stream)
+    dev.note_copies(done)
+    assert not done.query()
+    sizes = [n for seg in segments for n in seg.sizes()]
+    assert done.query(), "the sizes were read before the drain's work was done"
+    assert len(sizes) == sum(len(seg.chunks) for seg in segments)
+    for seg in segments:
+        seg.release()

@@ -89,6 +89,8 @@ class GpuDevice:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _warned: set = field(default_factory=set, init=False)
     _clock: EncodeClock | None = field(default=None, init=False)
+    _copies: torch.cuda.Event | None = field(default=None, init=False)
+    """Recorded after the last copies to the host that a drain issued (`note_copies`)."""
     timings: dict[str, float] = field(default_factory=dict, init=False)
     """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
 
@@ -237,7 +239,7 @@ class GpuDevice:
                             for codec, a, b in wave.groups]
                 if timed is not None:
                     encode_clock.stop(enc, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
-                sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index)
+                sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index, self.quiet_copies)
             self.stream.wait_event(sizes.ready)  # (the next wave's pack reuses the pack buffer)
             t4 = clock()
             remaining -= n
@@ -390,7 +392,19 @@ class GpuDevice:
                     release()
                 raise
             done = _recorded(self.writer_stream)
+        self.note_copies(done)
         return DrainedRows(list(sizes), io, runs, done)
+
+    def note_copies(self, done: torch.cuda.Event) -> None:
+        """`done` is recorded after copies to the host: a read of compressed sizes waits for it
+        first (`quiet_copies`)."""
+        self._copies = done
+
+    def quiet_copies(self) -> None:
+        """Wait, with the GIL let go, for the copies to the host issued so far (`WaveSizes`)."""
+        done = self._copies
+        if done is not None:
+            done.synchronize()
 
     def hold(self, slot: int, writer: Any, future: Any) -> None:
         """The staging slot is in use until `future` (a write from it by `writer`) is done."""

@@ -25,11 +25,19 @@ class WaveSizes:
     until they had run as well (H100: 125 ms behind 150 ms of queued work; runs 153-156). So each
     wave is encoded on one of `ENCODE_STREAMS` streams in turn, and a stream gets a new wave only
     once the sizes of its last one are read: nvCOMP never finds work queued behind the batch it
-    reads. The wait for the wave's GPU work goes through torch first, which lets the GIL go."""
+    reads. The wait for the wave's GPU work goes through torch first, which lets the GIL go.
 
-    def __init__(self, pendings: list[tuple[PendingSizes, int]], ready: torch.cuda.Event, device_index: int):
+    nvCOMP's read of the sizes is itself a small device-to-host copy, which a GPU's copy engine
+    runs after every copy to the host queued before it, and nvCOMP waits for it holding the GIL:
+    behind a drain's copies of a large state, 39 ms for 2 GiB queued (GPU run 180), ~100 ms of
+    a 24 GB save in all (run 178, py-spy). So `quiet` (the device's copies issued so far) is
+    waited for first, through torch, and the read finds the copy engine free."""
+
+    def __init__(self, pendings: list[tuple[PendingSizes, int]], ready: torch.cuda.Event, device_index: int,
+                 quiet: Callable[[], None] | None = None):
         self._pendings: list[tuple[PendingSizes, int]] | None = pendings
         self.ready = ready
+        self._quiet = quiet
         self._index = device_index
         self._sizes: list[int] | None = None
         self._error: Exception | None = None
@@ -57,6 +65,8 @@ class WaveSizes:
                 return
             try:
                 self.ready.synchronize()
+                if self._quiet is not None:
+                    self._quiet()
                 out: list[int] = []
                 for pending, n in self._pendings:
                     # On the writer thread, whose current device is cuda:0 whatever GPU this rank
