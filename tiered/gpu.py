@@ -359,8 +359,9 @@ class GpuDevice:
         and each run is one large host write. `acquire(ring, pages)` hands out pages of the host
         pool's ring (it may wait for writes to free some). Everything runs in order on the writer
         stream, so a run's packing waits for the previous copy out of the staging buffer on the
-        GPU, not on the host. The writer issues the next wave before it waits for this one
-        (tiered.gpu_write), so the copy engine does not idle between waves."""
+        GPU, not on the host. The writer issues the next wave before it places this one's chunks
+        (tiered.gpu_write). The copies are noted (`note_copies`): the next wave's sizes are read
+        once they are done."""
         host = self.host
         stride = seg.rows.shape[1]
         with torch.cuda.device(self.index):

@@ -7,8 +7,11 @@ Each wave of compressed rows (a `tiered.gpu.RowsSegment`) goes one of two ways:
 - **the state outgrows the slab** (``seg.drain``): the save needs these rows back for its next
   waves, so they drain into pinned host pages (compacted: only compressed bytes cross PCIe) and
   are written from there in large O_DIRECT requests on several threads. The drain is pipelined:
-  wave k+1's zeroing, checksums and copies are issued before wave k's are waited for, so the
-  copy engine does not idle between waves while this thread waits, places and hands out writes.
+  wave k+1's zeroing, checksums and copies are issued before wave k's chunks are placed and its
+  writes handed out. Wave k+1's sizes, though, are read only once wave k's copies are done
+  (`tiered.gpu_waves.WaveSizes`: nvCOMP's read would queue behind them holding the GIL), so the
+  copy engine idles while this thread reads them and issues the wave: a 24 GB state drained in
+  575 ms instead of 466, and the guarded save stalled 193 ms instead of 417 (GPU run 181).
   How fast the slab's rows come back bounds how long a save of a large state holds training.
 
 Call order (one `RowsWriter` per data file, on the writer thread):
@@ -31,7 +34,7 @@ from tiered.format import ALIGNMENT
 from tiered.units import round_up
 
 DRAIN_DEPTH = 2
-"""Drained waves issued and not yet waited for: the one being copied and the next, queued behind it."""
+"""Drained waves issued and not yet finished (placed, writes handed out)."""
 
 
 class RowsWriter:

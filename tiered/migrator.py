@@ -41,8 +41,8 @@ from tiered.records import RecordLog, migrate_record, records_root
 from tiered.units import format_rate, format_size
 
 __all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLedger", "MigrationLock", "apply_retention", "background_threads",
-           "choose_tier_codec", "lower_priority", "lower_process_priority", "make_gpu_recoder", "migrate_down", "migrate_step", "pending_steps",
-           "retry_delay", "target_spec"]
+           "choose_tier_codec", "lower_priority", "lower_process_priority", "make_gpu_recoder", "migrate_down",
+           "migrate_step", "pending_steps", "retry_delay", "target_spec"]
 
 log = logging.getLogger("tiered")
 
