@@ -18,7 +18,8 @@ falls on both sides alike):
   stream of priority 0, paced at `--gpu-gbps` of decoded bytes (the migrator's GPU work, at its
   pace), in a CUDA context of its own, as the child's is.
 - `disk`: O_DIRECT writes of 16 MiB blocks under `--dir`, fsync'd, at the disk's speed.
-- `all`: cpu:4, gpu and disk at once.
+- `all`: cpu:4, gpu and disk at once, every thread at nice +10 (as in the migrator's child; the
+  `gpu` and `disk` loads alone run at nice 0).
 - `process`, `daemon`: the real migrator in that mode, recompressing the model's state ans -> zstd
   to a shared tier under `--dir` (the bench's `measure_migration`, whose own rounds these are).
 
