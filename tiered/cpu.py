@@ -20,9 +20,9 @@ from tiered.checksum import wsum64
 from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
-from tiered.chunks import ALIGNMENT, extent_runs
+from tiered.chunks import ALIGNMENT, extent_runs, greedy_runs
 from tiered.format import TensorRecord, chunk_corruption
-from tiered.plan import ChunkRef, TensorPlan, chunk_refs, pieces
+from tiered.plan import ChunkRef, Runs, TensorPlan, chunk_refs
 from tiered.staging import HostPool
 from tiered.units import round_up
 
@@ -52,21 +52,15 @@ def snapshot(plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], host:
     capacity = host.max_run_bytes  # one run of the ring: the pool, or one pinned block of it
     # One wave when it all fits; otherwise quarters of the pool, so copying overlaps writing.
     limit = capacity - 16 * host.page if total + 16 * host.page <= capacity else max(chunk_size, capacity // 4)
-    waves: list[list[ChunkRef]] = [[]]
-    used = 0
-    for c in chunks:
-        if waves[-1] and used + c.raw_size > limit:
-            waves.append([])
-            used = 0
-        waves[-1].append(c)
-        used += c.raw_size
-    for wave in waves:
-        nbytes = sum(c.raw_size for c in wave)
+    ends = np.cumsum([c.raw_size for c in chunks])
+    runs = Runs(plans)
+    for i, k in greedy_runs(ends, limit):
+        nbytes = int(ends[k - 1] - (ends[i - 1] if i else 0))
         page = host.ring.acquire(host.pages(nbytes), on_block)
         raw = host.view(page, nbytes)
         with torch.no_grad():
-            _copy_wave(pieces(wave), tensors, raw, chunk_size)
-        emit(RawSegment(wave, raw, lambda p=page: host.ring.release(p)))
+            _copy_wave(runs.within(i, k), tensors, raw, chunk_size)
+        emit(RawSegment(chunks[i:k], raw, lambda p=page: host.ring.release(p)))
 
 
 def _copy_wave(items: list[tuple[TensorPlan, int, int]], tensors: Sequence[torch.Tensor], raw: torch.Tensor,

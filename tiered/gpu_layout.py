@@ -16,7 +16,7 @@ from tiered.chunks import greedy_runs
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec
 from tiered.config import ZstdSettings
-from tiered.plan import ChunkRef, TensorPlan, chunk_refs
+from tiered.plan import ChunkRef, Runs, TensorPlan, chunk_refs
 from tiered.units import round_up
 
 PACK_ALIGN = 256
@@ -87,7 +87,7 @@ class Layout:
         typed: dict[torch.dtype, torch.Tensor] = {}
         codecs: dict[Any, tuple[Codec, bool]] = {}
         waves = []
-        runs = _Runs(plans)
+        runs = Runs(plans)
         for i, k in wave_bounds(raw, pack.numel(), rows):
             wave = chunks[i:k]
             offsets: list[int] = []
@@ -123,33 +123,6 @@ class Layout:
                 at += n
             waves.append(Wave(wave, offsets, raw[i:k], groups, whole, whole_dsts, parts))
         return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves)
-
-
-class _Runs:
-    """The runs of one tensor's chunks in chunk order (`plan.pieces` of a wave) for consecutive
-    ranges of `chunk_refs(plans)`, found per tensor, not per chunk."""
-
-    def __init__(self, plans: Sequence[TensorPlan]):
-        self.plans = [p for p in plans if p.nchunks]
-        self.starts = [0]
-        for p in self.plans:
-            self.starts.append(self.starts[-1] + p.nchunks)
-        self._t = 0
-
-    def within(self, i: int, k: int) -> list[tuple[TensorPlan, int, int]]:
-        """(plan, first chunk, count) of chunks [i, k); ranges asked for in order."""
-        out = []
-        t, starts = self._t, self.starts
-        while starts[t + 1] <= i:
-            t += 1
-        while t < len(self.plans) and starts[t] < k:
-            j0 = max(i - starts[t], 0)
-            out.append((self.plans[t], j0, min(k, starts[t + 1]) - starts[t] - j0))
-            if starts[t + 1] > k:
-                break
-            t += 1
-        self._t = t
-        return out
 
 
 def file_runs(chunks: Sequence[Any]) -> list[tuple[int, int, list[int]]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -57,16 +57,32 @@ def chunk_refs(plans: "tuple[TensorPlan, ...] | list[TensorPlan]") -> list[Chunk
     return refs
 
 
-def pieces(chunks: "list[ChunkRef] | tuple[ChunkRef, ...]") -> list[tuple[TensorPlan, int, int]]:
-    """Runs of consecutive chunks of one tensor: (plan, first chunk, count)."""
-    runs: list[tuple[TensorPlan, int, int]] = []
-    for c in chunks:
-        if runs and runs[-1][0] is c.plan and runs[-1][1] + runs[-1][2] == c.j:
-            p, j0, n = runs[-1]
-            runs[-1] = (p, j0, n + 1)
-        else:
-            runs.append((c.plan, c.j, 1))
-    return runs
+class Runs:
+    """The runs of one tensor's chunks, (plan, first chunk, count), in consecutive ranges of
+    `chunk_refs(plans)` (a save's waves), found per tensor, not per chunk: a wave's chunks are
+    thousands at scale, and this Python runs beside a training loop that shares the GIL."""
+
+    def __init__(self, plans: Sequence[TensorPlan]):
+        self.plans = [p for p in plans if p.nchunks]
+        self.starts = [0]
+        for p in self.plans:
+            self.starts.append(self.starts[-1] + p.nchunks)
+        self._t = 0
+
+    def within(self, i: int, k: int) -> list[tuple[TensorPlan, int, int]]:
+        """(plan, first chunk, count) of chunks [i, k); ranges asked for in order."""
+        out = []
+        t, starts = self._t, self.starts
+        while starts[t + 1] <= i:
+            t += 1
+        while t < len(self.plans) and starts[t] < k:
+            j0 = max(i - starts[t], 0)
+            out.append((self.plans[t], j0, min(k, starts[t + 1]) - starts[t] - j0))
+            if starts[t + 1] > k:
+                break
+            t += 1
+        self._t = t
+        return out
 
 
 @dataclass(frozen=True)
