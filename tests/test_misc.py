@@ -117,6 +117,37 @@ def test_tree_round_trip_and_types():
     assert tree.path_str(leaves[0].path) == "h"
 
 
+class _MyParameter(torch.nn.Parameter):
+    pass
+
+
+class _MyTensor(torch.Tensor):
+    pass
+
+
+def test_tree_takes_tensors_and_parameters_and_refuses_other_tensor_kinds():
+    """flatten tests plain tensors and Parameters by exact type first (a save's hot path); a
+    Parameter's subclass is still a leaf, other tensor kinds are refused by name."""
+    p, sub = torch.nn.Parameter(torch.ones(3)), _MyParameter(torch.ones(2))
+    skeleton, leaves = tree.flatten({"p": p, "sub": sub, "t": torch.zeros(1), 3: [torch.ones(1)]}, share=True)
+    assert [tree.path_str(leaf.path) for leaf in leaves] == ["p", "sub", "t", "[3][0]"]
+    assert not leaves[0].tensor.requires_grad and leaves[0].tensor.data_ptr() == p.data_ptr(), "detached, not copied"
+    assert [k for k, _ in skeleton["$dict"]] == ["p", "sub", "t", 3]
+    for bad, message in [(torch.ones(2).to_sparse(), "sparse_coo"),
+                         (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+                         (torch.ones(2).as_subclass(_MyTensor), "tensor subclass _MyTensor")]:
+        with pytest.raises(TypeError, match=message):
+            tree.flatten({"x": {"y": bad}})
+
+
+def test_tree_shares_a_view_seen_again_after_another_view_at_its_address():
+    w = torch.randn(4, 8)
+    state = {"a": w, "rows": w.view(8, 4), "b": w, "rows2": w.view(8, 4), "own": w.clone()}
+    skeleton, leaves = tree.flatten(state, share=True)
+    refs = {k: v["$tensor"] for k, v in skeleton["$dict"]}
+    assert refs == {"a": 0, "rows": 1, "b": 0, "rows2": 1, "own": 2} and len(leaves) == 3
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"s": {1, 2}}, "s: cannot checkpoint an object of type builtins.set"),
     ({"x": [lambda: 0]}, r"x\[0\]: cannot checkpoint"),

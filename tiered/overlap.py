@@ -12,6 +12,7 @@ of the GPU memory free), the save is staged strictly instead, and the log says w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Iterable
 
@@ -26,24 +27,29 @@ CLONE_LIMIT = 1 << 30
 """Unguarded GPU bytes a save clones at most to overlap; beyond it the save is strict."""
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     """The device (-1: the CPU) and first byte of a tensor's (or a DTensor's local shard's) memory.
 
     Cheap, since every save asks it of every tensor: a view that starts elsewhere in a guarded
     tensor's memory gets another key and is cloned, which is safe (only ever more copying)."""
-    if type(t) is not torch.Tensor and hasattr(t, "to_local"):
+    if type(t) not in _PLAIN and hasattr(t, "to_local"):
         t = t.to_local()
     return t.get_device(), t.data_ptr()
 
 
 def guarded_storages(optimizers: Iterable[Any]) -> set[tuple[int, int]]:
-    """The storages that only `optimizer.step()` changes: each optimizer's parameters and state."""
-    keys: set[tuple[str, int]] = set()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            keys.update(storage_key(p) for p in group["params"])
-        for state in opt.state.values():
-            keys.update(storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+    """The storages that only `optimizer.step()` changes: each optimizer's parameters and state.
+    (Asked on every save, on the training thread, of every parameter and state tensor: plain
+    tensors take the key inline.)"""
+    plain = _PLAIN
+    keys = {(p.get_device(), p.data_ptr()) if type(p) in plain else storage_key(p)
+            for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    keys.update({(v.get_device(), v.data_ptr()) if type(v) in plain else storage_key(v)
+                 for opt in optimizers for state in opt.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor)})
     return keys
 
 
@@ -51,7 +57,9 @@ def overlap_plan(plan: SavePlan, guarded: set[tuple[int, int]], free_gpu: Any) -
     """(the plan with its unguarded tensors replaced by clones, "") or (None, why not) when
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
     tensors: list[torch.Tensor] = list(plan.tensors)
-    unguarded = [i for i, t in enumerate(tensors) if storage_key(t) not in guarded]
+    plain = _PLAIN
+    unguarded = [i for i, t in enumerate(tensors)
+                 if ((t.get_device(), t.data_ptr()) if type(t) in plain else storage_key(t)) not in guarded]
     per_gpu: dict[int, int] = {}
     for i in unguarded:
         t = tensors[i]
@@ -65,7 +73,7 @@ def overlap_plan(plan: SavePlan, guarded: set[tuple[int, int]], free_gpu: Any) -
                           f"{format_size(limit)}")
     for i in unguarded:
         tensors[i] = tensors[i].clone()
-    return SavePlan(gpu=plan.gpu, cpu=plan.cpu, tensors=tuple(tensors)), ""
+    return dataclasses.replace(plan, tensors=tuple(tensors)), ""
 
 
 class Guard:

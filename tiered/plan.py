@@ -90,6 +90,8 @@ class SavePlan:
     gpu: dict[int, tuple[TensorPlan, ...]]
     """CUDA device index -> its tensors, grouped by codec spec (one batched call per group)."""
     cpu: tuple[TensorPlan, ...]
+    raw_bytes: int
+    """The tensors' bytes in all."""
     tensors: tuple[torch.Tensor, ...] = ()
     """This save's tensors, by leaf index."""
 
@@ -128,7 +130,8 @@ def make_plan(leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: 
             cpu.append(p)
     # Group by codec spec so each wave makes one batched codec call per spec; keep state order inside.
     grouped = {d: tuple(sorted(ps, key=lambda p: (p.spec.name, str(p.spec.configuration)))) for d, ps in gpu.items()}
-    return SavePlan(gpu=grouped, cpu=tuple(cpu), tensors=tuple(leaf.tensor for leaf in leaves))
+    return SavePlan(gpu=grouped, cpu=tuple(cpu), tensors=tuple(leaf.tensor for leaf in leaves),
+                    raw_bytes=sum(p.nbytes for group in grouped.values() for p in group) + sum(p.nbytes for p in cpu))
 
 
 class PlanCache:
@@ -145,11 +148,12 @@ class PlanCache:
         self._plan: SavePlan | None = None
 
     def plan(self, leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: bool) -> SavePlan:
-        key = (tier_codec, chunk_size, gpu_codecs,
-               tuple((leaf.path, leaf.tensor.dtype, leaf.tensor.shape, leaf.tensor.device, leaf.is_numpy)
-                     for leaf in leaves))
+        # (on the training thread, per tensor: a list of plain tuples, compared in C)
+        key = [(path, t.dtype, t.shape, t.device, is_numpy) for path, t, is_numpy in leaves]
+        key.append((tier_codec, chunk_size, gpu_codecs))
         if self._plan is None or key != self._key:
             plan = make_plan(leaves, tier_codec, chunk_size, gpu_codecs)
-            self._plan, self._key = SavePlan(gpu=plan.gpu, cpu=plan.cpu), key  # no tensors kept
+            self._plan, self._key = SavePlan(gpu=plan.gpu, cpu=plan.cpu, raw_bytes=plan.raw_bytes), key  # no tensors
             return plan
-        return SavePlan(gpu=self._plan.gpu, cpu=self._plan.cpu, tensors=tuple(leaf.tensor for leaf in leaves))
+        return SavePlan(gpu=self._plan.gpu, cpu=self._plan.cpu, raw_bytes=self._plan.raw_bytes,
+                        tensors=tuple([leaf[1] for leaf in leaves]))

@@ -30,6 +30,7 @@ written, and its files are discarded.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import queue
@@ -139,7 +140,7 @@ class _Job:
     def drop_tensors(self) -> None:
         """Forget the saved tensors once the GPU has read them (or the save has failed): the engine
         must not keep a state alive that the caller has let go, nor let it go while still reading."""
-        self.plan = SavePlan(gpu=self.plan.gpu, cpu=self.plan.cpu)
+        self.plan = dataclasses.replace(self.plan, tensors=())
 
 
 class SavePipeline:
@@ -327,7 +328,7 @@ class SavePipeline:
             codec = self.config.tiers[1].codec
             plan = make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
                              gpu_codecs=False)
-        handle = SaveHandle(step, raw_bytes=sum(p.nbytes for p in plan.all), tier=tier.name,
+        handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
                             _reported=self._reported)
         handle.timings["plan_ms"] = 1e3 * (time.perf_counter() - t0)
         handle.staged.add_done_callback(

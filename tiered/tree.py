@@ -85,38 +85,40 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     return t.data_ptr(), t.device, t.dtype, t.shape, t.stride()  # (the address of its first element)
 
 
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+"""The tensor types stored as leaves (subclasses such as DTensor go through tiered.dcp)."""
+_new_leaf = tuple.__new__
+"""`Leaf(...)` without the named tuple's Python-level constructor: a save makes thousands."""
+
+
 def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = None) -> Any:
-    if obj is None or isinstance(obj, (str, int)):  # int covers bool
-        return obj
-    if isinstance(obj, dict):
+    # Per node, in a save's call, on the training thread: the common types are tested first,
+    # by exact type, and a dict's tensors are placed without a call of this function each.
+    cls = type(obj)
+    if cls in _TENSORS:
+        return _tensor_leaf(obj, path, leaves, seen)
+    if cls is dict or cls is OrderedDict or isinstance(obj, dict):
         items = []
+        append = items.append
         for k, v in obj.items():
-            if type(k) is str:
+            if type(k) is str or type(k) is int:  # (an optimizer's state is keyed by int)
                 k_enc = k
             elif isinstance(k, (str, int, float, bool, type(None), tuple)):
                 k_enc = _encode(k, path, [])
             else:
                 raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
-            items.append([k_enc, _encode(v, path + (k,), leaves, seen)])
+            append([k_enc, _tensor_leaf(v, path + (k,), leaves, seen) if type(v) in _TENSORS
+                    else _encode(v, path + (k,), leaves, seen)])
         return {"$odict" if isinstance(obj, OrderedDict) else "$dict": items}
+    if obj is None or isinstance(obj, (str, int)):  # int covers bool
+        return obj
+    if isinstance(obj, torch.nn.Parameter):  # (a subclass of Parameter)
+        return _tensor_leaf(obj, path, leaves, seen)
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
             raise StateDictError(f"{path_str(path)}: {obj.layout} / quantized / nested tensors are not supported")
-        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
-            raise StateDictError(f"{path_str(path)}: tensor subclass {type(obj).__name__} is not supported "
-                                 "(DTensor support goes through tiered.dcp)")
-        if seen is not None:  # by address first: the whole view key only where two tensors share one
-            same = seen.get(addr := obj.data_ptr())
-            if same is None:
-                seen[addr] = [(len(leaves), obj)]
-            else:
-                key = _view_key(obj)
-                for i, other in same:
-                    if key is not None and _view_key(other) == key:
-                        return {"$tensor": i}
-                same.append((len(leaves), obj))
-        leaves.append(Leaf(path, obj.detach() if obj.requires_grad else obj, False))
-        return {"$tensor": len(leaves) - 1}
+        raise StateDictError(f"{path_str(path)}: tensor subclass {type(obj).__name__} is not supported "
+                             "(DTensor support goes through tiered.dcp)")
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject or obj.dtype.fields is not None:
             raise StateDictError(f"{path_str(path)}: numpy arrays of dtype {obj.dtype} cannot be stored without pickling")
@@ -142,6 +144,30 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
         f"{path_str(path)}: cannot checkpoint an object of type {type(obj).__module__}.{type(obj).__qualname__}; "
         "supported: tensors, numpy arrays, dict/list/tuple, str/int/float/bool/None/bytes, torch dtype/device/Size. "
         "Call .state_dict() on objects first.")
+
+
+def _tensor_leaf(obj: torch.Tensor, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> Any:
+    """A plain tensor or Parameter: a new leaf, or (`seen`: flatten's `share`) a reference to
+    the earlier leaf that is the same view of the same memory."""
+    if obj.layout is not torch.strided or obj.is_quantized or obj.is_nested:
+        raise StateDictError(f"{path_str(path)}: {obj.layout} / quantized / nested tensors are not supported")
+    n = len(leaves)
+    if seen is not None:  # by address first: the whole view key only where two tensors share one
+        addr = obj.data_ptr()
+        same = seen.get(addr)
+        if same is None:
+            seen[addr] = n  # (the common case: one leaf at an address, kept as its index)
+        else:
+            if type(same) is int:
+                same = seen[addr] = [same]
+            key = _view_key(obj)
+            if key is not None:
+                for i in same:
+                    if _view_key(leaves[i][1]) == key:
+                        return {"$tensor": i}
+            same.append(n)
+    leaves.append(_new_leaf(Leaf, (path, obj.detach() if obj.requires_grad else obj, False)))
+    return {"$tensor": n}
 
 
 def decode(skeleton: Any, leaf: Any) -> Any:
