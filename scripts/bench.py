@@ -389,11 +389,13 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
     import baselines
     import scale
 
-    def ceilings(nbytes: int) -> dict:
+    def ceilings(nbytes: int, tensors: list) -> dict:
         out = {"disk": baselines.disk_ceilings(root / "ceiling", max(256 << 20, min(nbytes, 4 << 30)))}
         shutil.rmtree(root / "ceiling", ignore_errors=True)
         if dev == "cuda":
             out["d2h_pinned_gbps"] = baselines.d2h_pinned_gbps()
+            out["gpu_codecs"] = baselines.gpu_codec_gbps(tensors)
+            torch.cuda.empty_cache()  # (its buffers: the engines size their GPU budgets from what is free)
         return out
 
     lead = scale.rank() == 0  # under torchrun, rank 0 reports for all ranks (scripts/scale.py)

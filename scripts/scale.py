@@ -39,7 +39,9 @@ committed and fsync'd); stored bytes; GPU memory the method took (free GPU memor
 first save minus the least seen after) and host memory (growth of the process's resident set,
 pinned buffers included); the cold restore into the zeroed state, page cache dropped where
 permitted, checked bit-exact by a fingerprint of every tensor taken before zeroing. Same-run
-ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy.
+ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and the GPU codecs'
+encode rate alone on a batch of the state's own tensors (what compressing the state takes of a
+GPU that training keeps busy).
 """
 
 from __future__ import annotations
@@ -451,10 +453,13 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
     row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
     row.extra["pin_s"] = run.shared["pin_s"]
     row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
-    warm = [h.timings for step, (h, _) in sorted(handles.items())][1:]
+    timings = [h.timings for step, (h, _) in sorted(handles.items())]
+    warm = timings[1:]
     row.extra["save_timings_ms"] = {k: round(statistics.median(t.get(k, 0.0) for t in warm), 1)
                                     for k in (warm[0] if warm else {})}
+    row.extra["first_save_timings_ms"] = {k: round(v, 1) for k, v in timings[0].items()} if timings else {}
     say(f"#   {row.name} save() phases, warm median ms: {row.extra['save_timings_ms']}")
+    say(f"#   {row.name} save() phases, first save ms: {row.extra['first_save_timings_ms']}")
     last = first_step + run.saves
     row.stored = engine.read_index(last)[0].stored_bytes
     restore_check(row, run.state, prints, run.device, run.drop_caches, lambda: engine.restore(run.state, step=last))
@@ -602,7 +607,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     say(f"# scale {size_gb} GB: {out}")
     out["ranks"] = world()
     barrier()  # one rank measures the disk's ceilings, alone on it
-    out["ceilings"] = gather(ceilings(min(state_bytes, 8 << 30)) if rank() == 0 else None)[0]
+    out["ceilings"] = gather(ceilings(min(state_bytes, 8 << 30), tensors_of(state)) if rank() == 0 else None)[0]
     if rank() == 0:
         say(f"# ceilings: {out['ceilings']}")
     window = Window(step_fn, device, window_steps)
@@ -676,8 +681,11 @@ def print_size(out: dict) -> None:
           f"{out['gpu_free_gb']} GiB GPU memory free, window of training steps {out['window_ms']} ms")
     c = out["ceilings"]
     disk = c.get("disk", {})
+    ans = c.get("gpu_codecs", {}).get("ans", {}).get("encode_gbps")
     print(f"ceilings: O_DIRECT write {disk.get('write_gbps')} GB/s, read {disk.get('read_gbps')} GB/s"
-          + (f", pinned D2H {c['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in c else ""))
+          + (f", pinned D2H {c['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in c else "")
+          + (f", GPU ANS encode {ans} GB/s alone (this state: {1e3 * out['state_gb'] / ans:.0f} ms of the whole GPU, "
+             "which a GPU-bound training loop gives up)" if ans else ""))
     print("| method | stall ms warm median (range) | first save stall ms | saves 3+: stall ms median (range) | call ms "
           "warm median | durable s warm median (range) | stored GB | GPU taken GB | host taken GB | cold restore s | "
           "bit-exact |")

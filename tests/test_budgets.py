@@ -233,14 +233,30 @@ def test_queued_host_writes_hold_no_object_per_piece():
 
 # --- on the GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_path):
-    state = {"w": torch.randn(1 << 20, device="cuda")}
-    with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
+@pytest.mark.parametrize("gpu_buffer", [None, "64MiB"], ids=["auto", "explicit"])
+def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_path, monkeypatch, gpu_buffer):
+    """reserve() plans the state and lays it out in the pack buffer; the first save, once the slab
+    is sized, keeps that layout (auto: a slab of more rows; explicit: the rows it was built for).
+    (A 4 MiB pack buffer: waves of 4 chunks of `w`, and one of the small tensors, fewer than the
+    10 rows reserve() lays out for; a wave cut at those rows is laid out again: test_misc.)"""
+    from tiered.gpu_layout import Layout
+
+    built = []
+    real = Layout.build.__func__
+    monkeypatch.setattr(Layout, "build", classmethod(lambda cls, *a, **k: built.append(1) or real(cls, *a, **k)))
+    state = {"w": torch.randn(1 << 22, device="cuda"), "small": [torch.randn(100, device="cuda") for _ in range(8)]}
+    cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}], "budgets": {"pack_buffer": "4MiB"}}
+    if gpu_buffer:
+        cfg["budgets"]["gpu_buffer"] = gpu_buffer
+    with tiered.Engine.from_config(cfg) as engine:
         engine.reserve(state)
+        assert len(built) == 1, "reserve() laid the state out"
         assert engine.wait_pinned(300)
         assert engine.workers.device(0).wait_warm(0), "the save kernels are compiled"
         engine.save(1, state).wait()
-        assert torch.equal(engine.load(1)["w"], state["w"])
+        assert len(built) == 1, "the first save kept the layout reserve() made"
+        got = engine.load(1)
+    assert torch.equal(got["w"], state["w"]) and all(torch.equal(a, b) for a, b in zip(got["small"], state["small"]))
 
 
 @pytest.mark.gpu

@@ -247,6 +247,36 @@ def test_a_layout_packs_every_chunk_where_its_offsets_say():
             assert torch.equal(got, want), (m, c.plan.name, c.j)
 
 
+def test_a_layout_built_before_the_slab_is_kept_where_its_waves_would_be_the_same():
+    """`GpuDevice.prepare` lays saves out at start-up for the fewest rows the slab can have; the
+    first save keeps that layout for a larger slab only where no wave was cut at that count."""
+    from tiered.codecs import get_codec_class
+    from tiered.config import ZstdSettings
+    from tiered.gpu_layout import Layout
+    from tiered.plan import TensorPlan
+
+    cs = 64 << 10
+    spec = get_codec_class("none").spec_for(torch.float32)
+
+    def plans(sizes):
+        return tuple(TensorPlan(i, f"t{i}", spec, False, cs, n, torch.float32, (n // 4,), "cuda:0")
+                     for i, n in enumerate(sizes))
+
+    pack = torch.zeros(4 * cs, dtype=torch.uint8)
+    whole = plans([cs] * 12)  # full chunks: the pack buffer cuts every wave at 4
+    layout = Layout.build(whole, pack, 10, cs + 4096, cs, ZstdSettings())
+    assert not layout.capped and [len(w.chunks) for w in layout.waves] == [4, 4, 4]
+    assert layout.fits(whole, pack, 10, cs + 4096) and layout.fits(whole, pack, 500, cs + 4096)
+    assert not layout.fits(whole, pack, 8, cs + 4096), "fewer rows than it was built for"
+    assert not layout.fits(whole, pack, 500, cs + 8192), "another row stride"
+    assert not layout.fits(plans([cs] * 12), pack, 10, cs + 4096), "plans of another save structure"
+    assert not layout.fits(whole, torch.zeros(4 * cs, dtype=torch.uint8), 10, cs + 4096), "another pack buffer"
+    tiny = plans([256] * 30)  # many small tensors: the rows cut the waves
+    layout = Layout.build(tiny, pack, 10, cs + 4096, cs, ZstdSettings())
+    assert layout.capped and [len(w.chunks) for w in layout.waves] == [10, 10, 10]
+    assert layout.fits(tiny, pack, 10, cs + 4096) and not layout.fits(tiny, pack, 500, cs + 4096)
+
+
 def test_row_ring_on_block_called_only_when_waiting():
     import threading
 

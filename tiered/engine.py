@@ -176,11 +176,11 @@ class Engine:
         """Start pinning host staging memory for saves of `state` (a state dict, or its size in
         bytes) now, in the background, rather than during the first save that needs it.
 
-        Where CUDA is in use, a save whose compressed state does not fit the GPU slab drains
-        through pinned host memory, pinned as saves first need it (~0.3-0.5 s per GB, at most
-        `budgets.host_buffer`). Call this once at start-up, once the state exists (an optimizer
-        that makes its state at its first step: after it), to keep that wait off the first save.
-        Given the state dict, it also plans its saves, which the first save would do in its call."""
+        Where CUDA is in use, a save whose compressed state outgrows the GPU slab drains through
+        pinned host memory, pinned as saves first need it (~0.3-0.5 s per GB, at most
+        `budgets.host_buffer`). Call this once the state exists (after the first step, where the
+        optimizer makes its state then). Given the state dict, it also plans its saves and lays
+        them out in the GPU pack buffer (allocated now; the slab is sized at the first save)."""
         if not isinstance(state, int):
             with self._api_lock, tree.collector_paused():
                 state = self.saves.reserve(state, plan=not self._distributed())

@@ -70,9 +70,15 @@ class Layout:
     stride: int
     nchunks: int
     waves: list[Wave]
+    capped: bool
+    """Some wave was cut at `rows` chunks (a slab of more rows would take longer waves)."""
 
     def fits(self, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int) -> bool:
-        return self.plans is plans and self.pack_ptr == pack.data_ptr() and self.rows == rows and self.stride == stride
+        """Built for these plans and this pack buffer, with the waves a slab of `rows` rows of
+        `stride` bytes takes: the same rows, or more where no wave was cut at `self.rows` (a
+        layout built at start-up, before the slab is sized: `GpuDevice.prepare`)."""
+        return (self.plans is plans and self.pack_ptr == pack.data_ptr() and self.stride == stride
+                and (self.rows == rows or (self.rows < rows and not self.capped)))
 
     @classmethod
     def build(cls, plans: Sequence[TensorPlan], pack: torch.Tensor, rows: int, stride: int, chunk_size: int,
@@ -88,7 +94,8 @@ class Layout:
         codecs: dict[Any, tuple[Codec, bool]] = {}
         waves = []
         runs = Runs(plans)
-        for i, k in wave_bounds(raw, pack.numel(), rows):
+        bounds = wave_bounds(raw, pack.numel(), rows)
+        for i, k in bounds:
             wave = chunks[i:k]
             offsets: list[int] = []
             whole: list[int] = []
@@ -122,7 +129,7 @@ class Layout:
                     groups.append((codec, at, at + n))
                 at += n
             waves.append(Wave(wave, offsets, raw[i:k], groups, whole, whole_dsts, parts))
-        return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves)
+        return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves, any(k - i >= rows for i, k in bounds))
 
 
 def file_runs(chunks: Sequence[Any]) -> list[tuple[int, int, list[int]]]:
