@@ -101,6 +101,17 @@ def test_saving_a_committed_step_again_is_refused(tier_config):
         assert torch.equal(engine.load(1)["a"], torch.ones(3))
 
 
+def test_a_save_says_where_its_call_went(tier_config):
+    """A handle's timings split the planning (`plan_ms`) into the walk of the state and the tier's
+    step being made: the bench's phases tell a slow disk from a slow walk."""
+    with tiered.Engine.from_config(tier_config()) as engine:
+        h = engine.save(1, {"a": torch.ones(3), "n": 2})
+        h.wait()
+    t = h.timings
+    assert {"plan_ms", "flatten_ms", "begin_ms", "cpu_snapshot_ms"} <= set(t), t
+    assert 0 < t["flatten_ms"] and 0 < t["begin_ms"] and t["flatten_ms"] + t["begin_ms"] <= t["plan_ms"]
+
+
 def test_restore_without_checkpoint_and_unknown_step(tier_config):
     with tiered.Engine.from_config(tier_config()) as engine:
         with pytest.raises(tiered.CheckpointNotFoundError, match="no committed checkpoint"):
