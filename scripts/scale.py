@@ -36,8 +36,8 @@ For each: the training stall as the loop feels it (the wall time of a window of 
 steps, forward + backward + optimizer step, that contains one save, minus the median of the same
 window without a save), next to the save call's own time; time to durable (from the call until
 committed and fsync'd); stored bytes; GPU memory the method took (free GPU memory before its
-first save minus the least seen after) and host memory (growth of the process's resident set,
-pinned buffers included); the cold restore into the zeroed state, page cache dropped where
+first save minus the least seen after; for tiered, plus what `reserve` took) and host memory
+(growth of the process's resident set, pinned buffers included); the cold restore into the zeroed state, page cache dropped where
 permitted, checked bit-exact by a fingerprint of every tensor taken before zeroing. Same-run
 ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and the GPU codecs'
 encode rate alone on a batch of the state's own tensors (what compressing the state takes of a
@@ -413,11 +413,12 @@ def _engine(run: Run) -> Any:
     if engine is None:
         cfg = tiered.load_config(None)
         doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered")}]}
-        rss0, t0 = rss(), time.perf_counter()
+        rss0, gpu0, t0 = rss(), gpu_free(run.device), time.perf_counter()
         engine = run.shared["engine"] = tiered.Engine.from_config(doc)
-        engine.reserve(run.state)  # the start-up line that keeps pinning off the first save
+        engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
         engine.wait_pinned()
-        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0)
+        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0,
+                          reserve_gpu=gpu0 - gpu_free(run.device))  # (its pack buffer)
         say(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s")
     return engine
 
@@ -451,6 +452,7 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
     prints = measure(row, run, base, save, durable,
                      lambda n: rank() == 0 and engine.catalog.fast.delete(first_step + n))
     row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
+    row.gpu_taken += run.shared["reserve_gpu"]  # and the GPU memory reserve() took
     row.extra["pin_s"] = run.shared["pin_s"]
     row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
     timings = [h.timings for step, (h, _) in sorted(handles.items())]
