@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""The Python a guarded `Engine.save` call runs on the training thread, piece by piece, on a state
+of real modules and a real AdamW: ten replicas of a 16-block GPT (259 parameters each, with
+their optimizer state: 10,360 tensors), tiny tensors, so only the per-tensor work counts.
+
+    python scripts/call_probe.py [--device cuda|cpu] [--iterations 40]
+
+Prints the medians (after 5 warm-up iterations, collector paused, as in a save) of: the walk of
+the state (`tree.flatten`), the cached plan's key and reuse (`PlanCache.plan`), the storages the
+optimizers guard (`overlap.guarded_storages`) and the search for the rest (`overlap.overlap_plan`).
+To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
+(`taskset -c 3`): the host's speed moves from one process to the next (docs/benchmarks.md,
+session 14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+import tiered
+from tiered import tree
+from tiered.overlap import guarded_storages, overlap_plan
+from tiered.plan import PlanCache
+
+
+def gpt(device: str) -> torch.nn.Module:
+    block = lambda: torch.nn.ModuleDict({  # noqa: E731
+        "ln1": torch.nn.LayerNorm(8), "q": torch.nn.Linear(8, 8), "k": torch.nn.Linear(8, 8),
+        "v": torch.nn.Linear(8, 8), "o": torch.nn.Linear(8, 8), "ln2": torch.nn.LayerNorm(8),
+        "fc": torch.nn.Linear(8, 32), "proj": torch.nn.Linear(32, 8)})
+    return torch.nn.ModuleDict({"emb": torch.nn.Embedding(16, 8), "blocks": torch.nn.ModuleList([block() for _ in range(16)]),
+                                "lnf": torch.nn.LayerNorm(8)}).to(device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--iterations", type=int, default=40)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    reps = []
+    for _ in range(10):
+        m = gpt(args.device)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        sum(q.sum() for q in m.parameters()).backward()
+        o.step()
+        reps.append((m, o))
+    opts = [o for _, o in reps]
+
+    def state() -> dict:  # new dicts every save, as model.state_dict() and optimizer.state_dict() make
+        return {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(reps)}
+
+    gpu = args.device == "cuda"
+    cache = PlanCache()
+    _, leaves = tree.flatten(state(), share=True)
+    cache.plan(leaves, "ans", 1 << 20, gpu)
+    times: dict[str, list[float]] = {k: [] for k in ("flatten", "plan", "guarded", "overlap_plan", "sum")}
+    with tree.collector_paused():
+        for _ in range(args.iterations):
+            s = state()
+            t1 = time.perf_counter()
+            _, leaves = tree.flatten(s, share=True)
+            t2 = time.perf_counter()
+            plan = cache.plan(leaves, "ans", 1 << 20, gpu)
+            t3 = time.perf_counter()
+            guarded = guarded_storages(opts)
+            t4 = time.perf_counter()
+            overlap_plan(plan, guarded, lambda i: 1 << 40)
+            t5 = time.perf_counter()
+            for k, a, b in (("flatten", t1, t2), ("plan", t2, t3), ("guarded", t3, t4), ("overlap_plan", t4, t5),
+                            ("sum", t1, t5)):
+                times[k].append(1e3 * (b - a))
+            del s
+            gc.collect(0)
+    where = tiered.__file__.rsplit("/tiered/", 1)[0]
+    print(f"{where}: {len(leaves)} tensors on {args.device}: "
+          + ", ".join(f"{k} {statistics.median(v[5:]):.2f}" for k, v in times.items())
+          + f" ms (medians of {len(times['sum'][5:])})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
