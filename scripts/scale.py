@@ -36,7 +36,8 @@ For each: the training stall as the loop feels it (the wall time of a window of 
 steps, forward + backward + optimizer step, that contains one save, minus the median of the same
 window without a save), next to the save call's own time; time to durable (from the call until
 committed and fsync'd); stored bytes; GPU memory the method took (free GPU memory before its
-first save minus the least seen after; for tiered, plus what `reserve` took) and host memory
+first save minus the least seen after; for tiered, from before the engine was made, so its
+`reserve` and a second row on the same engine count too) and host memory
 (growth of the process's resident set, pinned buffers included); the cold restore into the zeroed state, page cache dropped where
 permitted, checked bit-exact by a fingerprint of every tensor taken before zeroing. Same-run
 ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and the GPU codecs'
@@ -337,17 +338,19 @@ def _done_at(fut: Any) -> list[float]:
 
 
 def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durable: Callable[[Any], float],
-            drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None) -> list[tuple[int, int]]:
+            drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None,
+            gpu_free0: int | None = None) -> list[tuple[int, int]]:
     """`saves` windows, one save each, at the window's start: stall, call, durable (`durable(result)`
     waits for it and returns when it completed), memory. `drop(step)` deletes an older step once
     the next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
     no method's stall should carry), so one copy at a time is kept on the disk; where the disk
     cannot hold two (`run.one_copy`), before the next save starts. Returns the
     fingerprint of the state the last save was handed (taken just before its window: training
-    then changes the state while the save runs, so a restore that matches it shows the snapshot held)."""
+    then changes the state while the save runs, so a restore that matches it shows the snapshot held).
+    `gpu_free0`: the free GPU memory the row's "GPU taken" counts down from (default: now)."""
     state, window, saves, device = run.state, run.window, run.saves, run.device
-    free0, rss0 = gpu_free(device), rss()
-    low = free0
+    free0, rss0 = gpu_free(device) if gpu_free0 is None else gpu_free0, rss()
+    low = gpu_free(device)
     for k in range(saves):
         if k and run.one_copy:
             barrier()
@@ -417,8 +420,7 @@ def _engine(run: Run) -> Any:
         engine = run.shared["engine"] = tiered.Engine.from_config(doc)
         engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
         engine.wait_pinned()
-        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0,
-                          reserve_gpu=gpu0 - gpu_free(run.device))  # (its pack buffer)
+        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0, gpu_free0=gpu0)
         say(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s")
     return engine
 
@@ -450,9 +452,9 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
         return box[0]
 
     prints = measure(row, run, base, save, durable,
-                     lambda n: rank() == 0 and engine.catalog.fast.delete(first_step + n))
+                     lambda n: rank() == 0 and engine.catalog.fast.delete(first_step + n),
+                     gpu_free0=run.shared["gpu_free0"])  # (all the engine holds, from before it was made)
     row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
-    row.gpu_taken += run.shared["reserve_gpu"]  # and the GPU memory reserve() took
     row.extra["pin_s"] = run.shared["pin_s"]
     row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
     timings = [h.timings for step, (h, _) in sorted(handles.items())]
