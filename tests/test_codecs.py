@@ -210,24 +210,35 @@ def test_gpu_compression_does_not_wait_for_the_default_stream():
     assert still_busy, "the compression waited for the default stream's kernel"
 
 
-@pytest.mark.gpu
-def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read():
-    """nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: a
-    wave queued behind an unread one would make that read wait for it too (tiered.gpu_waves.WaveSizes)."""
+_CS = 64 << 10
+
+
+def _staged(state: dict, emit):
+    """Stage `state` (GPU tensors) with ans on a GpuDevice of its own (64 KiB chunks, a pack buffer
+    of four, a 64 MiB slab), handing each wave's segment to `emit`; returns the device."""
     from tiered.config import Budgets
     from tiered.gpu import GpuDevice
-    from tiered.gpu_waves import ENCODE_STREAMS
     from tiered.plan import make_plan
     from tiered.staging import HostPool
     from tiered.tree import flatten
 
-    cs = 64 << 10
-    dev = GpuDevice(torch.cuda.current_device(), cs, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * cs),
+    dev = GpuDevice(torch.cuda.current_device(), _CS, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * _CS),
                     ZstdSettings(), HostPool(16 << 20))
-    waves = 3 * ENCODE_STREAMS
-    state = {"w": torch.randn(waves * cs, device="cuda"), "b": torch.randn(cs // 8, device="cuda", dtype=torch.bfloat16)}
     _, leaves = flatten(state)
-    plan = make_plan(leaves, "ans", cs, gpu_codecs=True)
+    plan = make_plan(leaves, "ans", _CS, gpu_codecs=True)
+    dev.stage(plan.gpu[torch.cuda.current_device()], [leaf.tensor for leaf in leaves], emit, lambda: None)
+    return dev
+
+
+@pytest.mark.gpu
+def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read():
+    """nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: a
+    wave queued behind an unread one would make that read wait for it too (tiered.gpu_waves.WaveSizes)."""
+    from tiered.gpu_waves import ENCODE_STREAMS
+
+    waves = 3 * ENCODE_STREAMS
+    state = {"w": torch.randn(waves * _CS, device="cuda"),
+             "b": torch.randn(_CS // 8, device="cuda", dtype=torch.bfloat16)}
     segments = []
 
     def emit(seg):
@@ -235,12 +246,12 @@ def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_re
             assert segments[-ENCODE_STREAMS].wave.read, len(segments)
         segments.append(seg)
 
-    dev.stage(plan.gpu[torch.cuda.current_device()], [leaf.tensor for leaf in leaves], emit, lambda: None)
+    _staged(state, emit)
     assert len(segments) >= waves
     unread = [seg for seg in segments if not seg.wave.read]
     assert len(unread) <= ENCODE_STREAMS
     sizes = [n for seg in segments for n in seg.sizes()]
-    assert len(sizes) == sum(len(seg.chunks) for seg in segments) and all(0 < n <= 2 * cs for n in sizes)
+    assert len(sizes) == sum(len(seg.chunks) for seg in segments) and all(0 < n <= 2 * _CS for n in sizes)
     for seg in segments:
         seg.release()
 
@@ -251,19 +262,8 @@ def test_a_waves_sizes_are_read_after_the_drains_copies_issued_before():
     after the copies queued before it, and waits for it holding the GIL: the read first waits,
     through torch, for the work a drain issued (here a copy and a kernel after it, which nvCOMP's
     read alone would not wait for)."""
-    from tiered.config import Budgets
-    from tiered.gpu import GpuDevice
-    from tiered.plan import make_plan
-    from tiered.staging import HostPool
-    from tiered.tree import flatten
-
-    cs = 64 << 10
-    dev = GpuDevice(torch.cuda.current_device(), cs, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * cs),
-                    ZstdSettings(), HostPool(16 << 20))
-    _, leaves = flatten({"w": torch.randn(8 * cs, device="cuda")})
-    plan = make_plan(leaves, "ans", cs, gpu_codecs=True)
     segments = []
-    dev.stage(plan.gpu[torch.cuda.current_device()], [leaf.tensor for leaf in leaves], segments.append, lambda: None)
+    dev = _staged({"w": torch.randn(8 * _CS, device="cuda")}, segments.append)
     segments[-1].wave.ready.synchronize()
     big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     host = torch.empty_like(big, device="cpu").pin_memory()
