@@ -234,7 +234,7 @@ def test_queued_host_writes_hold_no_object_per_piece():
 # --- on the GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_buffer", [None, "64MiB"], ids=["auto", "explicit"])
-def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_path, monkeypatch, gpu_buffer):
+def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_path, monkeypatch, caplog, gpu_buffer):
     """reserve() plans the state and lays it out in the pack buffer; the first save, once the slab
     is sized, keeps that layout (auto: a slab of more rows; explicit: the rows it was built for).
     (A 4 MiB pack buffer: waves of 4 chunks of `w`, and one of the small tensors, fewer than the
@@ -248,15 +248,27 @@ def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_pa
     cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}], "budgets": {"pack_buffer": "4MiB"}}
     if gpu_buffer:
         cfg["budgets"]["gpu_buffer"] = gpu_buffer
-    with tiered.Engine.from_config(cfg) as engine:
+    with caplog.at_level("INFO", "tiered"), tiered.Engine.from_config(cfg) as engine:
         engine.reserve(state)
         assert len(built) == 1, "reserve() laid the state out"
+        assert "pack buffer allocated (budgets.pack_buffer)" in caplog.text and "laid out in 5 waves" in caplog.text
         assert engine.wait_pinned(300)
         assert engine.workers.device(0).wait_warm(0), "the save kernels are compiled"
         engine.save(1, state).wait()
         assert len(built) == 1, "the first save kept the layout reserve() made"
         got = engine.load(1)
     assert torch.equal(got["w"], state["w"]) and all(torch.equal(a, b) for a, b in zip(got["small"], state["small"]))
+
+
+@pytest.mark.gpu
+def test_a_pack_buffer_that_does_not_fit_is_refused_by_reserve_naming_its_budget(tmp_path):
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    free = torch.cuda.mem_get_info()[0]
+    cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}],
+           "budgets": {"pack_buffer": f"{2 * free // (1 << 20)}MiB"}}
+    with tiered.Engine.from_config(cfg) as engine:
+        with pytest.raises(tiered.TieredError, match=r"pack buffer \(budgets.pack_buffer\) does not fit"):
+            engine.reserve(state)
 
 
 @pytest.mark.gpu

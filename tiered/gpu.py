@@ -35,6 +35,7 @@ from tiered.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
+from tiered.errors import TieredError
 from tiered.chunks import ALIGNMENT, extent_runs
 from tiered.format import TensorRecord
 from tiered.gpu_layout import Layout
@@ -144,10 +145,18 @@ class GpuDevice:
 
     def _pack_buffer(self) -> torch.Tensor:
         """The pack buffer (budgets.pack_buffer), allocated on first use on the stream that
-        packs into it (see `_ensure`)."""
+        packs into it (see `_ensure`); where it does not fit, the error names the budget."""
         if self._pack is None:
-            with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
-                self._pack = torch.empty(self.budgets.pack_buffer, dtype=torch.uint8, device=self.device)
+            size = self.budgets.pack_buffer
+            try:
+                with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+                    self._pack = torch.empty(size, dtype=torch.uint8, device=self.device)
+            except torch.cuda.OutOfMemoryError as exc:
+                free = torch.cuda.mem_get_info(self.index)[0]
+                raise TieredError(f"cuda:{self.index}: the {format_size(size)} pack buffer (budgets.pack_buffer) does "
+                                  f"not fit the {format_size(free)} of GPU memory free: lower budgets.pack_buffer "
+                                  "(saves then go in more, smaller waves)") from exc
+            log.info("tiered: cuda:%d: %s pack buffer allocated (budgets.pack_buffer)", self.index, format_size(size))
         return self._pack
 
     def prepare(self, plans: Sequence[TensorPlan]) -> None:
@@ -166,6 +175,8 @@ class GpuDevice:
             pack = self._pack_buffer()
             if self._layout is None or not self._layout.fits(plans, pack, rows, stride):
                 self._layout = Layout.build(plans, pack, rows, stride, self.chunk_size, self.zstd)
+                log.info("tiered: cuda:%d: saves of this state laid out in %d waves of the pack buffer", self.index,
+                         len(self._layout.waves))
 
     def _ensure(self, specs: Sequence[Any], nchunks: int) -> None:
         stride = self._stride_for(specs)
