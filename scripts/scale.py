@@ -37,12 +37,12 @@ steps, forward + backward + optimizer step, that contains one save, minus the me
 window without a save), next to the save call's own time; time to durable (from the call until
 committed and fsync'd); stored bytes; GPU memory the method took (free GPU memory before its
 first save minus the least seen after; for tiered, from before the engine was made, so its
-`reserve` and a second row on the same engine count too) and host memory
-(growth of the process's resident set, pinned buffers included); the cold restore into the zeroed state, page cache dropped where
-permitted, checked bit-exact by a fingerprint of every tensor taken before zeroing. Same-run
-ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and the GPU codecs'
-encode rate alone on a batch of the state's own tensors (what compressing the state takes of a
-GPU that training keeps busy).
+`reserve` and a second row on the same engine count too) and host memory (growth of the
+process's resident set, pinned buffers included); the cold restore into the zeroed state, page
+cache dropped where permitted, checked bit-exact by a fingerprint of every tensor taken before
+zeroing. Same-run ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and
+the GPU codecs' encode rate alone on a batch of the state's own tensors (what compressing the
+state takes of a GPU that training keeps busy).
 """
 
 from __future__ import annotations
