@@ -117,6 +117,32 @@ def test_tree_round_trip_and_types():
     assert tree.path_str(leaves[0].path) == "h"
 
 
+def test_the_plan_cache_keeps_a_plan_while_paths_dtypes_shapes_and_devices_stay():
+    """The cached plan is reused (its groups are the same objects: a GPU keeps its layout on them)
+    only while every leaf keeps its path, dtype, shape, device and kind; each change plans anew."""
+    from tiered.plan import PlanCache
+
+    cache = PlanCache()
+
+    def plan(state):
+        return cache.plan(tree.flatten(state)[1], "zstd", 1 << 20, False)
+
+    base = {"w": torch.ones(4, 3), "b": torch.ones(3), "n": np.ones(2, dtype=np.float32)}
+    first = plan(base)
+    again = plan({"w": torch.zeros(4, 3), "b": torch.zeros(3), "n": np.zeros(2, dtype=np.float32)})
+    assert again.cpu is first.cpu and again.raw_bytes == first.raw_bytes == 4 * (12 + 3 + 2)
+    assert torch.equal(again.tensors[0], torch.zeros(4, 3)), "the plan carries this save's tensors"
+    for changed in ({**base, "w": torch.ones(4, 3, dtype=torch.float64)},   # dtype
+                    {**base, "w": torch.ones(3, 4)},                        # shape
+                    {"v": base["w"], "b": base["b"], "n": base["n"]},       # path
+                    {**base, "n": torch.ones(2)},                           # numpy -> tensor
+                    {**base, "w": torch.ones(4, 3, device="meta")}):        # device
+        assert plan(changed).cpu is not first.cpu, changed
+        back = plan(base)
+        assert back.cpu == first.cpu and back.cpu is not first.cpu, "back to the first structure: planned again"
+        first = back
+
+
 class _MyParameter(torch.nn.Parameter):
     pass
 
