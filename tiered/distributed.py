@@ -42,8 +42,8 @@ from tiered.dcp_reuse import PlanReuse
 from tiered.dcp_storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest, RankEntry
+from tiered.handle import SaveHandle
 from tiered.records import save_record
-from tiered.save import SaveHandle
 
 log = logging.getLogger("tiered")
 

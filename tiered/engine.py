@@ -7,10 +7,9 @@
       restorer  tiered.restore.Restorer      read plan -> fetch (+ fallback) -> verify -> decode -> place
       migrator  tiered.migrator              copies committed steps down the tiers (in_process)
 
-`save()` returns once the state may change again (GPU: compression has read the tensors; the
-compressed copy is the snapshot); the save pipeline's writer thread does the rest, and its
-failures are re-raised by the next `save()` or `wait()`. Under torch.distributed with several
-ranks, save and restore go through DCP's planner (tiered.distributed) into the same pipelines.
+`save()` returns once the state may change again (GPU: the compressed copy is the snapshot); the
+writer thread does the rest, and its failures are re-raised by the next `save()` or `wait()`.
+Under torch.distributed, save and restore go through DCP's planner (tiered.distributed).
 """
 
 from __future__ import annotations
@@ -30,10 +29,11 @@ from tiered.catalog import TierCatalog, saved_through_dcp
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import TieredError
 from tiered.format import Manifest, RankIndex
+from tiered.handle import SaveHandle
 from tiered.records import read_records, records_root
 from tiered.restore import Restorer
 from tiered.runtime import Workers
-from tiered.save import SaveHandle, SavePipeline
+from tiered.save import SavePipeline
 
 __all__ = ["Engine", "SaveHandle"]
 

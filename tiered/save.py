@@ -50,6 +50,7 @@ from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import (ALIGNMENT, ChunkTable, Manifest, RankEntry, data_file_name, dtype_name, index_file_name,
                            index_json)
 from tiered.gpu_write import RowsWriter
+from tiered.handle import RankFiles, SaveHandle
 from tiered.overlap import Guard, guarded_storages, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
@@ -67,46 +68,6 @@ JOINED_WRITE_BYTES = 16 << 20
 class _Abort:
     def __init__(self, exc: BaseException):
         self.exc = exc
-
-
-@dataclass
-class SaveHandle:
-    """What `save()` returns. Two moments, two futures:
-
-    - ``staged``: the state may change again (GPU: compression has read the tensors).
-    - ``persisted``: the step is durable and committed on the fast tier, or on the next tier where
-      ``on_fast_tier_error: next_tier`` sent it there (result: its Manifest; ``tier``: where).
-    """
-
-    step: int
-    staged: Future = field(default_factory=Future)
-    persisted: Future = field(default_factory=Future)
-    stall_s: float = 0.0
-    """Time `save()` blocked the caller."""
-    raw_bytes: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-    """Milliseconds spent in each phase of `save()` (plan, per-GPU stage phases, CPU snapshot)."""
-    tier: str = ""
-    """The name of the tier the step is written to."""
-    _reported: Any = None
-    """Called with the failure this handle raised: the engine then does not raise it again."""
-
-    def wait(self, timeout: float | None = None) -> Manifest:
-        """Block until persisted; return the committed manifest or raise the failure (once raised
-        here, the next `save()` or `Engine.wait()` does not raise it again)."""
-        try:
-            return self.persisted.result(timeout)
-        except BackgroundSaveError as exc:
-            if self._reported is not None:
-                self._reported(exc)
-            raise
-
-    def done(self) -> bool:
-        return self.persisted.done()
-
-    @property
-    def manifest(self) -> Manifest:
-        return self.persisted.result()
 
 
 @dataclass
@@ -552,20 +513,6 @@ class SavePipeline:
                          io=writer.io_mode, codecs=sorted({p.spec.name for p in plans.values()}),
                          tensor_stored=stored, raw_bytes=job.handle.raw_bytes, stored_bytes=sum(stored.values()))
 
-
-
-@dataclass(frozen=True)
-class RankFiles:
-    """One rank's durable files of a step, before the step is committed."""
-
-    entry: RankEntry
-    io: str
-    """How the data file was written (`RankIndex.io`)."""
-    codecs: list[str]
-    tensor_stored: dict[int, int]
-    """Stored bytes per tensor, by index."""
-    raw_bytes: int
-    stored_bytes: int
 
 
 def _drain(job: _Job) -> None:
