@@ -41,14 +41,9 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def guarded_storages(optimizers: Iterable[Any]) -> set[tuple[int, int]]:
-    """The storages that only `optimizer.step()` changes: each optimizer's parameters and state.
-    (Asked on every save, on the training thread, of every parameter and state tensor: plain
-    tensors take the key inline.)"""
-    plain = _PLAIN
-    keys = {(p.get_device(), p.data_ptr()) if type(p) in plain else storage_key(p)
-            for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    keys.update({(v.get_device(), v.data_ptr()) if type(v) in plain else storage_key(v)
-                 for opt in optimizers for state in opt.state.values() for v in state.values()
+    """The storages that only `optimizer.step()` changes: each optimizer's parameters and state."""
+    keys = {storage_key(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    keys.update({storage_key(v) for opt in optimizers for state in opt.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor)})
     return keys
 
@@ -57,9 +52,7 @@ def overlap_plan(plan: SavePlan, guarded: set[tuple[int, int]], free_gpu: Any) -
     """(the plan with its unguarded tensors replaced by clones, "") or (None, why not) when
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
     tensors: list[torch.Tensor] = list(plan.tensors)
-    plain = _PLAIN
-    unguarded = [i for i, t in enumerate(tensors)
-                 if ((t.get_device(), t.data_ptr()) if type(t) in plain else storage_key(t)) not in guarded]
+    unguarded = [i for i, t in enumerate(tensors) if storage_key(t) not in guarded]
     per_gpu: dict[int, int] = {}
     for i in unguarded:
         t = tensors[i]
