@@ -6,7 +6,7 @@ Pure data in, frozen data out: no I/O and no device work happens here.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -153,7 +153,6 @@ class PlanCache:
         key.append((tier_codec, chunk_size, gpu_codecs))
         if self._plan is None or key != self._key:
             plan = make_plan(leaves, tier_codec, chunk_size, gpu_codecs)
-            self._plan, self._key = SavePlan(gpu=plan.gpu, cpu=plan.cpu, raw_bytes=plan.raw_bytes), key  # no tensors
+            self._plan, self._key = replace(plan, tensors=()), key  # (no tensors kept)
             return plan
-        return SavePlan(gpu=self._plan.gpu, cpu=self._plan.cpu, raw_bytes=self._plan.raw_bytes,
-                        tensors=tuple([leaf[1] for leaf in leaves]))
+        return replace(self._plan, tensors=tuple([leaf[1] for leaf in leaves]))
