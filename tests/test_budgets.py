@@ -239,11 +239,15 @@ def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_pa
     is sized, keeps that layout (auto: a slab of more rows; explicit: the rows it was built for).
     (A 4 MiB pack buffer: waves of 4 chunks of `w`, and one of the small tensors, fewer than the
     10 rows reserve() lays out for; a wave cut at those rows is laid out again: test_misc.)"""
+    from nvidia import nvcomp
+
     from tiered.gpu_layout import Layout
 
-    built = []
+    built, made = [], []
     real = Layout.build.__func__
     monkeypatch.setattr(Layout, "build", classmethod(lambda cls, *a, **k: built.append(1) or real(cls, *a, **k)))
+    real_codec = nvcomp.Codec
+    monkeypatch.setattr(nvcomp, "Codec", lambda **kw: made.append(kw["cuda_stream"]) or real_codec(**kw))
     state = {"w": torch.randn(1 << 22, device="cuda"), "small": [torch.randn(100, device="cuda") for _ in range(8)]}
     cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}], "budgets": {"pack_buffer": "4MiB"}}
     if gpu_buffer:
@@ -254,8 +258,11 @@ def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_pa
         assert "pack buffer allocated (budgets.pack_buffer)" in caplog.text and "laid out in 5 waves" in caplog.text
         assert engine.wait_pinned(300)
         assert engine.workers.device(0).wait_warm(0), "the save kernels are compiled"
+        encoders = {s.cuda_stream for s in engine.workers.device(0).encode_streams}
+        made.clear()
         engine.save(1, state).wait()
         assert len(built) == 1, "the first save kept the layout reserve() made"
+        assert not encoders & set(made), "reserve() made the codecs' nvCOMP objects on every encode stream"
         got = engine.load(1)
     assert torch.equal(got["w"], state["w"]) and all(torch.equal(a, b) for a, b in zip(got["small"], state["small"]))
 
@@ -269,6 +276,21 @@ def test_a_pack_buffer_that_does_not_fit_is_refused_by_reserve_naming_its_budget
     with tiered.Engine.from_config(cfg) as engine:
         with pytest.raises(tiered.TieredError, match=r"pack buffer \(budgets.pack_buffer\) does not fit"):
             engine.reserve(state)
+
+
+@pytest.mark.gpu
+def test_a_first_save_whose_pack_buffer_does_not_fit_fails_the_same_way_again(tmp_path):
+    """Without reserve(), the first save allocates the pack buffer: where it does not fit, that save
+    and the next fail naming the budget (the slab is not left allocated without it)."""
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    free = torch.cuda.mem_get_info()[0]
+    cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}],
+           "budgets": {"pack_buffer": f"{2 * free // (1 << 20)}MiB"}}
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in (1, 2):
+            with pytest.raises(tiered.TieredError, match=r"pack buffer \(budgets.pack_buffer\) does not fit"):
+                engine.save(step, state).wait()
+        assert engine.latest_step() is None
 
 
 @pytest.mark.gpu

@@ -159,11 +159,12 @@ class GpuDevice:
             log.info("tiered: cuda:%d: %s pack buffer allocated (budgets.pack_buffer)", self.index, format_size(size))
         return self._pack
 
-    def prepare(self, plans: Sequence[TensorPlan]) -> None:
-        """At start-up (`Engine.reserve`): allocate the pack buffer and lay out saves of `plans`
-        now, so that the first save of that structure does neither (the layout's Python took
-        ~0.1 s of a 24 GB state's first save, beside the training loop). The slab is not
-        allocated here: it is sized from the GPU memory free at the first save, once training
+    def prepare(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor]) -> None:
+        """At start-up (`Engine.reserve`): allocate the pack buffer, lay out saves of `plans` (their
+        tensors: `tensors[plan.index]`) and, before this GPU's first save, run their kernels once
+        (`_first_run`), so that the first save of that structure does none of it (the layout's
+        Python took ~0.1 s of a 24 GB state's first save, beside the training loop). The slab is
+        not allocated here: it is sized from the GPU memory free at the first save, once training
         holds its own. The layout is built for the fewest rows the slab can have, and kept where
         no wave was cut at that count (`Layout.fits`)."""
         if not any(p.nbytes for p in plans):
@@ -177,6 +178,27 @@ class GpuDevice:
                 self._layout = Layout.build(plans, pack, rows, stride, self.chunk_size, self.zstd)
                 log.info("tiered: cuda:%d: saves of this state laid out in %d waves of the pack buffer", self.index,
                          len(self._layout.waves))
+            if self._slab is None:  # (no save yet: nothing else uses the pack buffer; a save's _ensure waits)
+                self._first_run(self._layout, tensors)
+
+    def _first_run(self, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        """Run a save's kernels once now, not in the first save: pack the first wave (its copy
+        kernels load on first use: 17 ms of a first save's pack in run 196's probe), and encode one
+        chunk of the pack buffer with each codec of the layout on each encode stream (nvCOMP makes
+        its objects per stream, and loads its kernels, on first use: a first save's encode calls
+        took 98 ms against 68 in a warm one, run 190). The output is dropped; this waits for it."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            layout.waves[0].pack(tensors, {}, self.chunk_size)
+        pack, n = self._pack, min(self.chunk_size, self.budgets.pack_buffer)
+        codecs = {id(codec): codec for wave in layout.waves for codec, _, _ in wave.groups}
+        for codec in codecs.values():
+            stride = round_up(codec.max_stored_size(self.chunk_size), ALIGNMENT)
+            for enc in self.encode_streams:
+                enc.wait_stream(self.stream)
+                with torch.cuda.device(self.index), torch.cuda.stream(enc):
+                    out = torch.empty(stride, dtype=torch.uint8, device=self.device)
+                    self._encode_slots(codec, [pack[:n]], pack, out, stride, enc, packed=True).sizes()
 
     def _ensure(self, specs: Sequence[Any], nchunks: int) -> None:
         stride = self._stride_for(specs)
@@ -188,16 +210,18 @@ class GpuDevice:
                 self._ring.acquire(self._ring.rows)
             # (a wave released unread, after a failure, still holds the old slab through nvCOMP)
             self._last_waves = [None] * ENCODE_STREAMS
-            self._slab = None
-            others = (0 if self._pack is not None else self.budgets.pack_buffer) + 2 * _WRITE_STAGING
-            rows = max(4, self.budget(nchunks * stride, others, 2 * self._wave_rows * stride, "the save slab") // stride)
+            self._slab, self._ring = None, None
+            # The pack buffer first: where it does not fit, this save fails naming its budget and
+            # the next one tries again, rather than finding a slab and no pack buffer.
+            self._pack_buffer()
+            rows = max(4, self.budget(nchunks * stride, 2 * _WRITE_STAGING, 2 * self._wave_rows * stride,
+                                      "the save slab") // stride)
             # Allocated on the stream that first writes them: with torch.use_deterministic_algorithms
             # (Lightning's deterministic=True), new memory is filled with NaN by a kernel on the
             # stream it is allocated on, which must run before, not beside, the save's work.
             with torch.cuda.stream(self.stream):
                 self._slab = torch.empty(rows * stride, dtype=torch.uint8, device=self.device)
                 self._stride, self._ring = stride, RowRing(rows)
-            self._pack_buffer()
 
     # --- save --------------------------------------------------------------------------
     def stage(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor],

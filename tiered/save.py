@@ -184,7 +184,7 @@ class SavePipeline:
         if plan:
             made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
             for index, plans in made.gpu.items():
-                self.workers.device(index).prepare(plans)
+                self.workers.device(index).prepare(plans, tensors)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def on_commit(self, hook: Callable[[int], None]) -> None:
