@@ -9,7 +9,8 @@ Prints, for each mode twice: the median and max of flatten + plan, and the media
 whole iterations (flatten + plan + 20 garbage-making steps). CPU only; no engine, no disk.
 
 Under torchrun it times the distributed `Engine.save` instead (gloo; every rank saves the state,
-rank 0 prints the warm call and the DCP planning part of it, tiered.dcp_reuse):
+rank 0 prints the warm call and the DCP planning part of it, tiered.dcp_reuse; then the same on
+a fresh engine that `reserve()`s the state first, so that its first save reuses the plan):
 
     torchrun --nproc_per_node 2 scripts/plan_probe.py --engine DIR
 """
@@ -136,16 +137,23 @@ def dist_calls(root: str, state) -> None:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": root, "codec": "none"}]}
-    with tiered.Engine.from_config(cfg) as engine:
-        calls, plans = timed_saves(engine, state, 12, "dcp_plan_ms")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        n = sum(1 for _ in tiered.tree.flatten(state())[1])
-        print(f"distributed Engine.save at {dist.get_world_size()} ranks, {n} tensors a rank: warm call median "
-              f"{statistics.median(calls[2:]):.1f} ms (range {min(calls[2:]):.1f}-{max(calls[2:]):.1f}), of it DCP "
-              f"planning {statistics.median(plans[2:]):.1f} ms; first save {calls[0]:.1f} ms, planning {plans[0]:.1f} ms",
-              flush=True)
-        shutil.rmtree(root, ignore_errors=True)
+    for reserve in (False, True):  # then a fresh engine whose `reserve()` plans first
+        with tiered.Engine.from_config(cfg) as engine:
+            t0 = time.perf_counter()
+            if reserve:
+                engine.reserve(state())
+            reserved = 1e3 * (time.perf_counter() - t0)
+            calls, plans = timed_saves(engine, state, 12, "dcp_plan_ms")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            n = sum(1 for _ in tiered.tree.flatten(state())[1])
+            print(f"distributed Engine.save at {dist.get_world_size()} ranks, {n} tensors a rank"
+                  f"{f', after reserve() ({reserved:.1f} ms)' if reserve else ''}: warm call median "
+                  f"{statistics.median(calls[2:]):.1f} ms (range {min(calls[2:]):.1f}-{max(calls[2:]):.1f}), of it DCP "
+                  f"planning {statistics.median(plans[2:]):.1f} ms; first save {calls[0]:.1f} ms, planning "
+                  f"{plans[0]:.1f} ms", flush=True)
+            shutil.rmtree(root, ignore_errors=True)
+        dist.barrier()
 
 
 if __name__ == "__main__":

@@ -186,16 +186,23 @@ def save_fails_on_rank_1(engine, state, step: int) -> None:
     engine.save(step + 1, state).wait()
 
 
-def save_while_changing(engine, mesh, step: int) -> None:
+def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
     """Saves that reuse the last plan (tiered.dcp_reuse) save each save's values; a state that
-    changes structure is planned again by DCP. Every step is restored and checked."""
+    changes structure is planned again by DCP. Every step is restored and checked. `reserve`:
+    `engine.reserve(state)` first, which plans, so that the first save does not."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     planned: list[int] = []
     plan = DefaultSavePlanner.create_local_plan
     DefaultSavePlanner.create_local_plan = lambda self: (planned.append(1), plan(self))[1]
     state = build(mesh, zeros=False)
-    engine.save(step, state).wait()                       # DCP plans
+    if reserve:
+        engine.reserve(state)
+        if len(planned) != 1:
+            raise SystemExit(f"rank {dist.get_rank()}: reserve() planned {len(planned)} times, expected once")
+    engine.save(step, state).wait()                       # DCP plans (after reserve(): the plan is reused)
+    if reserve and len(planned) != 1:
+        raise SystemExit(f"rank {dist.get_rank()}: the first save after reserve() planned again")
     state["extra"]["epoch"] = 8
     for t in state["tensors"].values():
         (t.to_local() if isinstance(t, DTensor) else t).add_(1)
@@ -227,6 +234,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
     ap.add_argument("--tier", default=None)
+    ap.add_argument("--reserve", action="store_true", help="save-change: engine.reserve(state) first")
     ap.add_argument("--migrate", action="store_true", help="after saving, wait until the step is on every tier")
     ap.add_argument("--fsdp", default=None, help="FSDP2 on CUDA; the full reference state goes to this file")
     ap.add_argument("--width", type=int, default=512, help="--fsdp model width")
@@ -246,7 +254,7 @@ def main() -> None:
         if args.mode == "save-fail":
             save_fails_on_rank_1(engine, state, args.step)
         elif args.mode == "save-change":
-            save_while_changing(engine, mesh, args.step)
+            save_while_changing(engine, mesh, args.step, args.reserve)
         elif args.mode == "save":
             if args.how == "engine":
                 handle = engine.save(args.step, state)

@@ -102,6 +102,14 @@ def test_warm_saves_reuse_the_plan_until_the_state_changes_structure(tmp_path):
     torchrun(2, "save-change", "--config", cfg, "--step", "200")
 
 
+def test_reserve_plans_with_dcp_so_the_first_save_does_not(tmp_path):
+    """Under torchrun, reserve() on every rank plans the saves with DCP (a collective); the first
+    save reuses that plan, the rest as above, every step restored bit-exact."""
+    cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
+                                            "codec": "zstd"}])
+    torchrun(2, "save-change", "--config", cfg, "--step", "200", "--reserve")
+
+
 def test_dcp_async_save_on_tiered_storage(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}])
     torchrun(4, "save", "--config", cfg, "--step", "5", "--how", "async")

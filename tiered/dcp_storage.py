@@ -145,6 +145,12 @@ class StepWriter(StorageWriter):
         plan's: tiered.dcp_reuse)."""
         if not plan.items:
             return None
+        return self.saves.save(self.step, self.items(plan, resolve), rank_only=True)
+
+    @staticmethod
+    def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any]) -> dict[str, torch.Tensor]:
+        """This rank's items as the flat state of tensors the save pipeline stages (objects
+        serialized into uint8 tensors, projections made contiguous)."""
         state: dict[str, torch.Tensor] = {}
         for i, item in enumerate(plan.items):
             data = resolve(i, item)
@@ -158,7 +164,7 @@ class StepWriter(StorageWriter):
                 if not data.is_contiguous():  # a projection of a larger tensor: store just that
                     data = data.contiguous()
             state[item_name(item.index)] = data
-        return self.saves.save(self.step, state, rank_only=True)
+        return state
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write the DCP metadata and commit the step on this node's fast tier;

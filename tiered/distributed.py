@@ -69,32 +69,7 @@ class DistributedSaver:
         coordinator = self.rank == 0
         writer = StepWriter(self.saves, step)
         writer.set_up_storage_writer(coordinator, rank=self.rank)
-        # Every save of a training run has the same structure: when no rank's state changed
-        # structure (tiered.dcp_reuse; one all-reduce of a flag tells), the last plan is reused,
-        # without DCP planning, gathering and scattering it again.
-        sig, leaves = self._reuse.walk(state_dict)
-        if self._all(self._reuse.matches(sig)):
-            final, metadata = self._reuse.plan()
-            if coordinator:
-                metadata = dataclasses.replace(metadata, storage_meta=writer.storage_meta())
-            resolve = self._reuse.resolver(leaves)
-        else:
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
-                                   is_coordinator=coordinator)
-            local = planner.create_local_plan()
-            gathered = [None] * self.world if coordinator else None
-            dist.gather_object(local, gathered, dst=0)
-            scattered = [None] * self.world if coordinator else None
-            metadata = None
-            if coordinator:
-                plans, metadata = planner.create_global_plan(gathered)
-                scattered = writer.prepare_global_plan(plans)
-            out = [None]
-            dist.scatter_object_list(out, scattered, src=0)
-            final = planner.finish_plan(out[0])
-            self._reuse.remember(sig, leaves, planner, final, metadata)
-            resolve = lambda i, item: planner.resolve_data(item)  # noqa: E731
+        final, metadata, resolve = self._plan(state_dict, writer)
         plan_ms = 1e3 * (time.perf_counter() - t0)
         save_id = f"{final.storage_data}/{step}"  # a reused plan carries the id of the save that made it
         try:
@@ -116,6 +91,45 @@ class DistributedSaver:
         handle.stall_s = time.perf_counter() - t0
         self._jobs.put((step, list(final.items), rank_handle, metadata, save_id, handle, t0))
         return handle
+
+    def _plan(self, state_dict: Any, writer: StepWriter) -> tuple[Any, Any, Any]:
+        """(this rank's final DCP plan, the metadata (the coordinator's), a resolver of its items'
+        data) for a save of `state_dict` through `writer`. Every save of a training run has the
+        same structure: when no rank's state changed structure (tiered.dcp_reuse; one all-reduce
+        of a flag tells), the last plan is reused, without DCP planning, gathering and
+        scattering it again."""
+        coordinator = self.rank == 0
+        sig, leaves = self._reuse.walk(state_dict)
+        if self._all(self._reuse.matches(sig)):
+            final, metadata = self._reuse.plan()
+            if coordinator:
+                metadata = dataclasses.replace(metadata, storage_meta=writer.storage_meta())
+            return final, metadata, self._reuse.resolver(leaves)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
+        local = planner.create_local_plan()
+        gathered = [None] * self.world if coordinator else None
+        dist.gather_object(local, gathered, dst=0)
+        scattered = [None] * self.world if coordinator else None
+        metadata = None
+        if coordinator:
+            plans, metadata = planner.create_global_plan(gathered)
+            scattered = writer.prepare_global_plan(plans)
+        out = [None]
+        dist.scatter_object_list(out, scattered, src=0)
+        final = planner.finish_plan(out[0])
+        self._reuse.remember(sig, leaves, planner, final, metadata)
+        return final, metadata, lambda i, item: planner.resolve_data(item)
+
+    def reserve(self, state_dict: Any) -> int:
+        """`Engine.reserve` on every rank (collective, as a save is): plan saves of `state_dict`
+        with DCP now, so that the first save reuses the plan instead of planning (116 ms for
+        7,880 tensors, GPU run 89), and ready this rank's part of it as a single-process
+        `reserve` readies a state (SavePipeline.reserve). Returns that part's bytes."""
+        writer = StepWriter(self.saves, 0)  # (the step is a placeholder: a reused plan takes each save's)
+        writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+        final, _, resolve = self._plan(state_dict, writer)
+        return self.saves.reserve(writer.items(final, resolve))
 
     def _all(self, flag: bool) -> bool:
         """`flag` holds on every rank (an all-reduce of one int on the default group)."""

@@ -172,18 +172,18 @@ class Engine:
         """
         return self.saves.guard(optimizer)
 
-    def reserve(self, state: Any) -> None:
+    def reserve(self, state: Any, *, local: bool = False) -> None:
         """Start pinning host staging memory for saves of `state` (a state dict, or its size in
         bytes) now, in the background, rather than during the first save that needs it.
 
-        Where CUDA is in use, a save whose compressed state outgrows the GPU slab drains through
-        pinned host memory, pinned as saves first need it (~0.3-0.5 s per GB, at most
-        `budgets.host_buffer`). Call this once the state exists (after the first step, where the
-        optimizer makes its state then). Given the state dict, it also plans its saves and lays
-        them out in the GPU pack buffer (allocated now; the slab is sized at the first save)."""
+        Call it once the state exists (after the first step, where the optimizer makes its state).
+        Given the state dict it also plans its saves, lays them out in the GPU pack buffer and runs
+        their GPU kernels once; under torch.distributed it plans them with DCP, so every rank calls
+        it, as with `save` (`local`: as `save(..., local=True)`, this rank alone)."""
         if not isinstance(state, int):
             with self._api_lock, tree.collector_paused():
-                state = self.saves.reserve(state, plan=not self._distributed())
+                state = (self._dist.reserve(state) if not local and self._distributed()
+                         else self.saves.reserve(state))
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:

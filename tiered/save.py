@@ -173,18 +173,18 @@ class SavePipeline:
                 job.enqueued.set()
 
     # --- for the engine, the distributed save and DCP storage ----------------------------------
-    def reserve(self, state_dict: Any, plan: bool) -> int:
-        """For `Engine.reserve`, at start-up: ready the GPUs for saves of `state_dict` (streams, the
-        checksum kernel compiled) and, with `plan`, plan it and lay it out in each GPU's pack
-        buffer, so that the first save of its structure reuses both instead of making them.
-        Returns its tensors' bytes."""
+    def reserve(self, state_dict: Any) -> int:
+        """For `Engine.reserve`, at start-up (under torch.distributed: this rank's items of the
+        plan DCP made, `DistributedSaver.reserve`): ready the GPUs for saves of `state_dict`
+        (streams, the checksum kernel compiled), plan it, lay it out in each GPU's pack buffer
+        and run the save's kernels once (`GpuDevice.prepare`), so that the first save of its
+        structure reuses the plan and the layout and loads no kernel. Returns its tensors' bytes."""
         leaves = tree.flatten(state_dict, share=True)[1]
         tensors = [leaf.tensor for leaf in leaves]
         self.workers.prepare(tensors)
-        if plan:
-            made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
-            for index, plans in made.gpu.items():
-                self.workers.device(index).prepare(plans, tensors)
+        made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
+        for index, plans in made.gpu.items():
+            self.workers.device(index).prepare(plans, tensors)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def on_commit(self, hook: Callable[[int], None]) -> None:
