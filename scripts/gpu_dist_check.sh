@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Distributed GPU check (issue 5), on a machine with 2+ GPUs: an FSDP2 model and its AdamW state
 # saved at 2 ranks (NCCL) through Engine.save, dcp.save and dcp.async_save (tiered.dcp.GpuStager),
-# loaded at 2 and at 1 rank, compared bit for bit with the full state gathered at save time; five more Engine.save calls
-# (the cached plan) print how long each blocked training.
+# loaded at 2 and at 1 rank, compared bit for bit with the full state gathered at save time; Engine.save after
+# Engine.reserve (which plans with DCP), then five more Engine.save calls (the cached plan) print how long each
+# blocked training.
 # Usage (from the repository root):  bash scripts/gpu_dist_check.sh [OUTDIR]
 set -uo pipefail
 out=${1:-${OUT:-./gpu-dist-check}}
@@ -26,7 +27,8 @@ status=0
 for how in engine dcp async; do
   step=$(case $how in engine) echo 1;; dcp) echo 20;; async) echo 30;; esac)
   if [ $how = engine ]; then
-    run 2 save --step $step --how $how --repeats 5 || status=1   # prints the warm saves' stall
+    # reserve() first (DCP plans there; each rank's layout and kernels readied), then the warm saves' stall
+    run 2 save --step $step --how $how --repeats 5 --reserve || status=1
   else
     run 2 save --step $step --how $how || status=1
   fi

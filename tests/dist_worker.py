@@ -234,7 +234,8 @@ def main() -> None:
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
     ap.add_argument("--tier", default=None)
-    ap.add_argument("--reserve", action="store_true", help="save-change: engine.reserve(state) first")
+    ap.add_argument("--reserve", action="store_true", help="save (--how engine), save-change: engine.reserve(state) "
+                    "first")
     ap.add_argument("--migrate", action="store_true", help="after saving, wait until the step is on every tier")
     ap.add_argument("--fsdp", default=None, help="FSDP2 on CUDA; the full reference state goes to this file")
     ap.add_argument("--width", type=int, default=512, help="--fsdp model width")
@@ -257,6 +258,8 @@ def main() -> None:
             save_while_changing(engine, mesh, args.step, args.reserve)
         elif args.mode == "save":
             if args.how == "engine":
+                if args.reserve:
+                    engine.reserve(state)
                 handle = engine.save(args.step, state)
                 manifest = handle.wait()
                 assert manifest.world_size == dist.get_world_size(), manifest
