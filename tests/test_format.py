@@ -71,6 +71,9 @@ def test_version_1_manifests_without_a_checksum_are_still_read(saved):
     (lambda d: d["tensors"][0].update(codec={"name": "zstd", "configuration": {"shuffle": 3}}), "bad zstd configuration"),
     (lambda d: d["tensors"][0].update(codec={"name": "ans", "configuration": {"data_type": "<f8"}}), "bad ans configuration"),
     (lambda d: d["tensors"][0].update(codec={"name": "zstd", "configuration": {"shuffle": [1]}}), "bad codec description"),
+    (lambda d: d["tensors"][0].update(codec={"name": ["zstd"]}), "bad codec description"),
+    (lambda d: d["tensors"][0].update(codec={"name": 5}), "bad codec description"),
+    (lambda d: d["tensors"][0].update(index=True), r"index = True is not an integer"),
     # A description checked once is not taken for an equal one of another type (True == 1).
     (lambda d: (d["tensors"][0].update(codec={"name": "zstd", "configuration": {"shuffle": 1}}),
                 d["tensors"][-1].update(codec={"name": "zstd", "configuration": {"shuffle": True}})),
