@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import weights_digest  # noqa: E402
+from helpers import exit_without_teardown, weights_digest  # noqa: E402
 from test_hf import _losses, _trainer  # noqa: E402
 
 from tiered.integrations.hf import resume_checkpoint  # noqa: E402
@@ -36,3 +36,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

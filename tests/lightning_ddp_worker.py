@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import weights_digest  # noqa: E402
+from helpers import exit_without_teardown, weights_digest  # noqa: E402
 from test_lightning import Losses, Tiny, _data  # noqa: E402
 
 from tiered.integrations.lightning import TieredCheckpointIO  # noqa: E402
@@ -42,3 +42,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
