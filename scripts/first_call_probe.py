@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""The first `Engine.save` calls of a fresh process, after `reserve()`: what a first save does
-that a warm one does not (kernels loaded, nvCOMP objects made), without training around it.
+"""Time the first `Engine.save` calls of a fresh process, after `reserve()`.
+
+What a first save does that a warm one does not (kernels loaded, nvCOMP objects made), without
+training around it.
 
     python3 scripts/first_call_probe.py [--tensors 64] [--saves 4]
 
