@@ -193,7 +193,7 @@ class GpuDevice:
         pack, n = self._pack, min(self.chunk_size, self.budgets.pack_buffer)
         codecs = {id(codec): codec for wave in layout.waves for codec, _, _ in wave.groups}
         for codec in codecs.values():
-            stride = round_up(codec.max_stored_size(self.chunk_size), ALIGNMENT)
+            stride = self._stride_for([codec.spec])
             for enc in self.encode_streams:
                 enc.wait_stream(self.stream)
                 with torch.cuda.device(self.index), torch.cuda.stream(enc):

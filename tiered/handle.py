@@ -54,7 +54,6 @@ class SaveHandle:
         return self.persisted.result()
 
 
-
 @dataclass(frozen=True)
 class RankFiles:
     """One rank's durable files of a step, before the step is committed."""

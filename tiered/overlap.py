@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from tiered.plan import SavePlan
+from tiered.tree import PLAIN_TENSORS
 from tiered.units import format_size
 
 log = logging.getLogger("tiered")
@@ -27,15 +28,12 @@ CLONE_LIMIT = 1 << 30
 """Unguarded GPU bytes a save clones at most to overlap; beyond it the save is strict."""
 
 
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-
-
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
     """The device (-1: the CPU) and first byte of a tensor's (or a DTensor's local shard's) memory.
 
     Cheap, since every save asks it of every tensor: a view that starts elsewhere in a guarded
     tensor's memory gets another key and is cloned, which is safe (only ever more copying)."""
-    if type(t) not in _PLAIN and hasattr(t, "to_local"):
+    if type(t) not in PLAIN_TENSORS and hasattr(t, "to_local"):
         t = t.to_local()
     return t.get_device(), t.data_ptr()
 

@@ -185,7 +185,7 @@ class SavePipeline:
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return made.raw_bytes
 
     def on_commit(self, hook: Callable[[int], None]) -> None:
         """Call `hook(step)` once each step is committed (on this node), before anyone waiting

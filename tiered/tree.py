@@ -85,8 +85,9 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     return t.data_ptr(), t.device, t.dtype, t.shape, t.stride()  # (the address of its first element)
 
 
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
-"""The tensor types stored as leaves (subclasses such as DTensor go through tiered.dcp)."""
+PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+"""The tensor types stored as leaves, tested by exact type (subclasses such as DTensor go
+through tiered.dcp)."""
 _new_leaf = tuple.__new__
 """`Leaf(...)` without the named tuple's Python-level constructor: a save makes thousands."""
 
@@ -95,7 +96,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
     # Per node, in a save's call, on the training thread: the common types are tested first,
     # by exact type, and a dict's tensors are placed without a call of this function each.
     cls = type(obj)
-    if cls in _TENSORS:
+    if cls in PLAIN_TENSORS:
         return _tensor_leaf(obj, path, leaves, seen)
     if cls is dict or cls is OrderedDict or isinstance(obj, dict):
         items = []
@@ -107,7 +108,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
                 k_enc = _encode(k, path, [])
             else:
                 raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
-            append([k_enc, _tensor_leaf(v, path + (k,), leaves, seen) if type(v) in _TENSORS
+            append([k_enc, _tensor_leaf(v, path + (k,), leaves, seen) if type(v) in PLAIN_TENSORS
                     else _encode(v, path + (k,), leaves, seen)])
         return {"$odict" if isinstance(obj, OrderedDict) else "$dict": items}
     if obj is None or isinstance(obj, (str, int)):  # int covers bool
