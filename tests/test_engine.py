@@ -331,6 +331,35 @@ def test_gpu_state_may_change_after_save_returns(tier_config):
         assert torch.equal(engine.load(1)["w"], expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("budgets", [{}, {"pack_buffer": "4MiB", "gpu_buffer": "12MiB"}], ids=["default", "waves"])
+def test_tensors_read_in_place_or_packed_are_saved_as_they_were_at_save(tier_config, budgets):
+    """ANS reads contiguous tensors at 16-byte addresses in place (gpu_layout.Wave.sources): the
+    state changed on the training stream right after save() returns must not reach the step,
+    whether a tensor was read in place, packed (strided, a view 4 bytes in, a size that is not a
+    multiple of 16 bytes), or split between waves (small budgets)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    base = torch.randn(3_000_000, device="cuda", generator=g)
+    state = {"big": torch.randn(5_000_000, device="cuda", generator=g),
+             "odd": torch.randn(1_000_003, device="cuda", generator=g),
+             "strided": torch.randn(1500, 700, device="cuda", generator=g).t(),
+             "view4": base[1:2_000_001], "view16": base[4:1_000_004],
+             "half": torch.randn(3_000_000, device="cuda", generator=g).to(torch.bfloat16),
+             "ints": torch.arange(700_000, device="cuda"), "tiny": torch.randn(3, device="cuda", generator=g)}
+    expected = {k: v.clone() for k, v in state.items()}
+    with tiered.Engine.from_config(tier_config(**budgets)) as engine:
+        for step in (1, 2):
+            handle = engine.save(step, state)
+            with torch.no_grad():
+                for v in list(state.values()) + [base]:
+                    v.add_(1)  # enqueued after save() returned: must not reach the step
+            handle.wait()
+            got = engine.load(step, device="cuda")
+            for k, want in expected.items():
+                assert got[k].dtype == want.dtype and torch.equal(got[k], want), (step, k)
+            expected = {k: v.clone() for k, v in state.items()}
+
+
 def test_state_without_tensor_bytes(tier_config):
     state = {"step": 3, "empty": torch.empty(0), "sched": {"lr": [0.1, 0.01]}}
     with tiered.Engine.from_config(tier_config()) as engine:

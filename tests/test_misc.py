@@ -262,7 +262,7 @@ def test_a_layout_packs_every_chunk_where_its_offsets_say():
             assert {c.plan.spec for c in wave.chunks[a:b]} == {codec.spec}
             codec_of.update((m, codec) for m in range(a, b))
         pack.zero_()
-        wave.pack(tensors, {}, cs)
+        wave.sources(tensors, {}, cs)
         for m, c in enumerate(wave.chunks):
             got = pack[wave.offsets[m]:wave.offsets[m] + c.raw_size]
             want = bytes_of(tensors[c.plan.index])[c.j * cs:c.j * cs + c.raw_size]
@@ -271,6 +271,57 @@ def test_a_layout_packs_every_chunk_where_its_offsets_say():
                 codec_of[m].unpack(out, got, cs)
                 got = out
             assert torch.equal(got, want), (m, c.plan.name, c.j)
+
+
+def test_a_layout_reads_contiguous_aligned_tensors_in_place_and_packs_the_rest():
+    """With a codec that reads in place (ans), a wave's chunks are addressed in their tensors'
+    own memory and nothing of them is packed, except where the tensor is strided, at an address
+    that is not a multiple of 16 bytes, or of a size that is not: those are packed into their
+    places, whole or in pieces (a tensor split between waves), and addressed there. Every chunk's
+    address holds its bytes. (On the CPU: the layout does no device work.)"""
+    from tiered.codecs import get_codec_class
+    from tiered.config import ZstdSettings
+    from tiered.gpu_layout import IN_PLACE_ALIGN, Layout, bytes_of
+    from tiered.plan import TensorPlan
+
+    cs = 4096
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1 << 16, generator=g)
+    tensors = [
+        torch.randn(3 * cs // 4, generator=g),            # 0: whole chunks, in place
+        torch.randn(2 * cs // 4 + 8, generator=g),        # 1: a short last chunk, in place
+        torch.randn(40, 60, generator=g).t(),             # 2: strided: packed
+        base[1:1 + cs // 2],                             # 3: 4 bytes past an aligned address: packed
+        torch.randn(5, generator=g),                      # 4: 20 bytes: packed
+        torch.randn(9 * cs // 2, generator=g).to(torch.bfloat16),  # 5: split between waves, in place
+        torch.randn(60, 40, generator=g).t(),             # 6: strided and split between waves: packed
+        base[4:4 + 3 * cs // 4],                          # 7: a view 16 bytes in: in place
+    ]
+    plans = tuple(TensorPlan(i, f"t{i}", get_codec_class("ans").spec_for(t.dtype), False, cs,
+                             t.numel() * t.element_size(), t.dtype, tuple(t.shape), "cuda:0")
+                  for i, t in enumerate(tensors))
+    pack = torch.zeros(5 * cs, dtype=torch.uint8)
+    layout = Layout.build(plans, pack, 64, cs + 512, cs, ZstdSettings())
+    assert len(layout.waves) > 3
+    in_place = set()
+    for wave in layout.waves:
+        pack.zero_()
+        addresses = wave.sources(tensors, {}, cs)
+        assert len(addresses) == len(wave.chunks)
+        for m, c in enumerate(wave.chunks):
+            t = tensors[c.plan.index]
+            want = bytes_of(t.contiguous())[c.j * cs:c.j * cs + c.raw_size]
+            at = int(addresses[m])
+            if at == t.data_ptr() + c.j * cs:
+                in_place.add(c.plan.index)
+                assert t.is_contiguous() and at % IN_PLACE_ALIGN == 0
+                got = bytes_of(t)[c.j * cs:c.j * cs + c.raw_size]
+            else:
+                assert at == pack.data_ptr() + wave.offsets[m], (c.plan.name, c.j)
+                got = pack[wave.offsets[m]:wave.offsets[m] + c.raw_size]
+            assert torch.equal(got, want), (c.plan.name, c.j)
+    assert in_place == {0, 1, 5, 7}
+    assert layout.waves[0].sources(tensors, {}, cs) is not layout.waves[0].addresses, "a save's addresses are its own"
 
 
 def test_a_layout_built_before_the_slab_is_kept_where_its_waves_would_be_the_same():

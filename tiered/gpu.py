@@ -38,7 +38,7 @@ from tiered.config import Budgets, ZstdSettings
 from tiered.errors import TieredError
 from tiered.chunks import ALIGNMENT, extent_runs
 from tiered.format import TensorRecord
-from tiered.gpu_layout import Layout
+from tiered.gpu_layout import Layout, Span
 from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import TensorPlan
@@ -182,14 +182,14 @@ class GpuDevice:
                 self._first_run(self._layout, tensors)
 
     def _first_run(self, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
-        """Run a save's kernels once now, not in the first save: pack the first wave (its copy
-        kernels load on first use: 17 ms of a first save's pack in run 196's probe), and encode one
+        """Run a save's kernels once now, not in the first save: pack what the first wave packs (its
+        copy kernels load on first use: 17 ms of a first save's pack in run 196's probe), and encode one
         chunk of the pack buffer with each codec of the layout on each encode stream (nvCOMP makes
         its objects per stream, and loads its kernels, on first use: a first save's encode calls
         took 98 ms against 68 in a warm one, run 190). The output is dropped; this waits for it."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
-            layout.waves[0].pack(tensors, {}, self.chunk_size)
+            layout.waves[0].sources(tensors, {}, self.chunk_size)
         pack, n = self._pack, min(self.chunk_size, self.budgets.pack_buffer)
         codecs = {id(codec): codec for wave in layout.waves for codec, _, _ in wave.groups}
         for codec in codecs.values():
@@ -278,7 +278,6 @@ class GpuDevice:
                              ring.rows * stride)
         remaining = layout.nchunks
         encode_clock, self._clock = self._clock, None
-        reads_done = None
         contiguous: dict[int, torch.Tensor] = {}
         for wi, wave in enumerate(layout.waves):
             n = len(wave.chunks)
@@ -287,9 +286,7 @@ class GpuDevice:
             rows = self._slab[start * stride:(start + n) * stride].view(n, stride)
             t2 = clock()
             with torch.cuda.stream(self.stream):
-                wave.pack(tensors, contiguous, self.chunk_size)
-                if wi == len(layout.waves) - 1:
-                    reads_done = _recorded(self.stream)
+                sources = _Sources(wave, wave.sources(tensors, contiguous, self.chunk_size), pack, self.chunk_size)
             t3 = clock()
             k = self._next_encoder
             self._next_encoder = (k + 1) % ENCODE_STREAMS
@@ -301,13 +298,14 @@ class GpuDevice:
             enc.wait_stream(self.stream)  # (the pack)
             with torch.cuda.stream(enc):
                 timed = encode_clock.start(enc) if encode_clock is not None else None
-                pendings = [(codec.encode_batch(enc, self.chunk_size, pack, wave.offsets[a:b], wave.raw_sizes[a:b],
+                pendings = [(codec.encode_batch(enc, self.chunk_size, *sources.of(codec, a, b), wave.raw_sizes[a:b],
                                                 self._slab, [(start + r) * stride for r in range(a, b)], stride), b - a)
                             for codec, a, b in wave.groups]
                 if timed is not None:
                     encode_clock.stop(enc, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
                 sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index, self.quiet_copies)
-            self.stream.wait_event(sizes.ready)  # (the next wave's pack reuses the pack buffer)
+            # (the next wave's pack reuses the pack buffer; the last wave's: the tensors are read)
+            self.stream.wait_event(sizes.ready)
             t4 = clock()
             remaining -= n
             emit(RowsSegment(wave.chunks, sizes, rows, lambda s=start: ring.release(s), device=self, drain=drain))
@@ -316,7 +314,7 @@ class GpuDevice:
             t["wait_encoder_ms"] += 1e3 * (t3e - t3)
             t["encode_ms"] += 1e3 * (t4 - t3e)
             t["emit_ms"] += 1e3 * (clock() - t4)
-        assert reads_done is not None
+        reads_done = _recorded(self.stream)  # (after every wave's encode: some read the tensors in place)
         if after is None:
             torch.cuda.current_stream(self.device).wait_event(reads_done)
         return reads_done
@@ -577,6 +575,25 @@ class GpuDevice:
 def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:
     """On the current stream: rows i..k-1's aligned extents end to end into `buf` (one fused copy)."""
     torch._foreach_copy_(list(buf.split(extents[i:k])), [seg.rows[r, :extents[r]] for r in range(i, k)])
+
+
+class _Sources:
+    """Where a wave's encode calls read their chunks: the pack buffer, or (codecs that read in
+    place) one span over it and the tensors the wave reads in place (gpu_layout.Wave.sources)."""
+
+    def __init__(self, wave: Any, addresses: Any, pack: torch.Tensor, chunk_size: int):
+        self.wave, self.pack = wave, pack
+        self.span: Span | None = None
+        if wave.in_place is not None:
+            base = int(addresses.min())
+            self.span = Span(base, int(addresses.max()) + chunk_size - base)
+            self.offsets = (addresses - base).tolist()
+
+    def of(self, codec: Any, a: int, b: int) -> tuple[Any, list[int]]:
+        """(source buffer, offsets) of chunks a..b-1, all of `codec`."""
+        if self.span is not None and codec.reads_in_place:
+            return self.span, self.offsets[a:b]
+        return self.pack, self.wave.offsets[a:b]
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -2,11 +2,15 @@
 chunks are grouped into reads: precomputed, cached per structure of state, no device work.
 
 Used by tiered.gpu. Waves are consecutive runs of chunks that fit the pack buffer and the slab.
+Where a codec reads its input as it lies (`Codec.reads_in_place`: ANS), a contiguous tensor's
+chunks are encoded straight from the tensor's own memory and the pack buffer is not used for them;
+the pack buffer takes what cannot be read so (a byte shuffle first, a strided view, an address or
+size nvCOMP cannot take), and every chunk keeps a place there for that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,6 +26,22 @@ from tiered.units import round_up
 PACK_ALIGN = 256
 """Alignment of each tensor run in the pack buffer: a multiple of every dtype's size, so a whole
 tensor there is a typed view of the buffer (`Layout.build`)."""
+IN_PLACE_ALIGN = 16
+"""A chunk is read in place where its address and size are multiples of this: nvCOMP's ANS asks
+16 bytes of its input (`get_required_compression_alignment`), and 16 is its advice where unsure.
+Whole multiples also keep every read inside the tensor's own bytes."""
+
+
+class Span:
+    """GPU memory from `ptr`, `nbytes` long, as nvCOMP takes a buffer (`__cuda_array_interface__`):
+    one wave's chunks are carved from one span that covers the pack buffer and every tensor the
+    wave reads in place. It holds no memory: the save holds the tensors until they are read."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": None}
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -30,13 +50,15 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Wave:
-    """One wave of a save, precomputed: which bytes go where in the pack buffer, and the codec
-    groups. Whole tensors are copied by one fused multi-tensor copy into typed views of the pack
-    buffer shaped like them, so a warm save passes the caller's tensors as they are (no per-tensor
-    views or slices built per save: that was most of save()'s host time on states of many tensors)."""
+    """One wave of a save, precomputed: which bytes go where in the pack buffer, which chunks are
+    read in place, and the codec groups. Whole tensors that are packed are copied by one fused
+    multi-tensor copy into typed views of the pack buffer shaped like them, so a warm save passes
+    the caller's tensors as they are (no per-tensor views or slices built per save: that was most
+    of save()'s host time on states of many tensors)."""
 
     chunks: list[ChunkRef]
     offsets: list[int]
+    """Each chunk's place in the pack buffer (where it is packed, or would be)."""
     raw_sizes: list[int]
     groups: list[tuple[Codec, int, int]]
     """(codec, first, end) runs of chunks of one codec spec: one batched call each."""
@@ -44,19 +66,58 @@ class Wave:
     whole_dsts: list[torch.Tensor]
     pieces: list[tuple[int, int, int, torch.Tensor, Codec | None]]
     """(leaf index, byte lo, byte hi, uint8 pack view, codec to pack with or None for a plain copy)."""
+    direct: list[tuple[int, int, int, int, torch.Tensor, bool]] = field(default_factory=list)
+    """Runs read in place where the tensor allows it at the save: (leaf index, byte lo, first
+    chunk, chunk count, the pack view to copy them into where it does not, whole tensor: that
+    view is typed and shaped like it)."""
+    addresses: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Each chunk's address in the pack buffer; a save puts the in-place chunks' in (`sources`)."""
+    in_place: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """For `direct`: the positions of its chunks, the chunks per run, each chunk's byte offset in its run's tensor."""
 
-    def pack(self, tensors: Sequence[torch.Tensor], contiguous: dict[int, torch.Tensor], chunk_size: int) -> None:
-        if self.whole:
-            torch._foreach_copy_(self.whole_dsts, [tensors[i] for i in self.whole])
+    def sources(self, tensors: Sequence[torch.Tensor], contiguous: dict[int, torch.Tensor],
+                chunk_size: int) -> np.ndarray:
+        """Pack what this save cannot read in place, on the current stream, and return every
+        chunk's address: in the pack buffer, or in its tensor. A run is read in place where its
+        tensor is contiguous and its address a multiple of IN_PLACE_ALIGN; otherwise it is packed
+        into its place, as every chunk of a codec that does not read in place is."""
+        addresses = self.addresses
+        dsts, srcs = self.whole_dsts, [tensors[i] for i in self.whole]
+        if self.in_place is not None:
+            at, counts, within = self.in_place
+            starts = np.empty(len(self.direct), np.int64)
+            packed = []
+            for e, entry in enumerate(self.direct):
+                t = tensors[entry[0]]
+                starts[e] = ptr = t.data_ptr()
+                if ptr % IN_PLACE_ALIGN or not t.is_contiguous():
+                    packed.append(entry)
+            addresses = addresses.copy()
+            addresses[at] = np.repeat(starts, counts) + within
+            if packed:  # (rare: a strided view, or a view at an address nvCOMP cannot read)
+                dsts, srcs = list(dsts), list(srcs)
+                for i, lo, k, n, dst, whole in packed:
+                    addresses[k:k + n] = self.addresses[k:k + n]
+                    dsts.append(dst)
+                    srcs.append(tensors[i] if whole else _contiguous_bytes(tensors, contiguous, i)[lo:lo + dst.numel()])
+        if srcs:
+            torch._foreach_copy_(dsts, srcs)
         for i, lo, hi, dst, codec in self.pieces:
-            src = contiguous.get(i)
-            if src is None:
-                t = tensors[i]
-                src = contiguous[i] = bytes_of(t if t.is_contiguous() else t.contiguous())
+            src = _contiguous_bytes(tensors, contiguous, i)
             if codec is None:
                 dst.copy_(src[lo:hi])
             else:
                 codec.pack(dst, src[lo:hi], chunk_size)
+        return addresses
+
+
+def _contiguous_bytes(tensors: Sequence[torch.Tensor], contiguous: dict[int, torch.Tensor], i: int) -> torch.Tensor:
+    """Tensor i's bytes, contiguous: made once per save (`contiguous`) for a tensor packed in pieces."""
+    src = contiguous.get(i)
+    if src is None:
+        t = tensors[i]
+        src = contiguous[i] = bytes_of(t if t.is_contiguous() else t.contiguous())
+    return src
 
 
 @dataclass
@@ -95,12 +156,14 @@ class Layout:
         waves = []
         runs = Runs(plans)
         bounds = wave_bounds(raw, pack.numel(), rows)
+        in_place_ok = chunk_size % IN_PLACE_ALIGN == 0
         for i, k in bounds:
             wave = chunks[i:k]
             offsets: list[int] = []
             whole: list[int] = []
             whole_dsts: list[torch.Tensor] = []
             parts: list[tuple[int, int, int, torch.Tensor, Codec | None]] = []
+            direct: list[tuple[int, int, int, int, torch.Tensor, bool]] = []
             groups: list[tuple[Codec, int, int]] = []
             pos = at = 0
             for plan, j0, n in runs.within(i, k):
@@ -110,16 +173,23 @@ class Layout:
                     got = codecs[plan.spec] = (codec, type(codec).pack is Codec.pack)
                 codec, plain = got
                 lo, hi = j0 * chunk_size, min(plan.nbytes, (j0 + n) * chunk_size)
-                if plain and lo == 0 and hi == plan.nbytes:
-                    whole.append(plan.index)
+                is_whole = plain and lo == 0 and hi == plan.nbytes
+                if is_whole:
                     view = typed.get(plan.dtype)
                     if view is None:
                         view = typed[plan.dtype] = pack[:pack.numel() // plan.dtype.itemsize * plan.dtype.itemsize] \
                             .view(plan.dtype)
                     size = plan.dtype.itemsize
-                    whole_dsts.append(view[pos // size:(pos + hi) // size].view(plan.shape))
+                    dst = view[pos // size:(pos + hi) // size].view(plan.shape)
                 else:
-                    parts.append((plan.index, lo, hi, pack[pos:pos + hi - lo], None if plain else codec))
+                    dst = pack[pos:pos + hi - lo]
+                if plain and codec.reads_in_place and in_place_ok and plan.nbytes % IN_PLACE_ALIGN == 0:
+                    direct.append((plan.index, lo, at, n, dst, is_whole))
+                elif is_whole:
+                    whole.append(plan.index)
+                    whole_dsts.append(dst)
+                else:
+                    parts.append((plan.index, lo, hi, dst, None if plain else codec))
                 offsets.extend(range(pos, pos + n * chunk_size, chunk_size))
                 pos = round_up(pos + hi - lo, PACK_ALIGN)
                 # (one batched codec call per run of chunks of one spec)
@@ -128,7 +198,14 @@ class Layout:
                 else:
                     groups.append((codec, at, at + n))
                 at += n
-            waves.append(Wave(wave, offsets, raw[i:k], groups, whole, whole_dsts, parts))
+            in_place = None
+            if direct:
+                in_place = (np.concatenate([np.arange(a, a + n) for _, _, a, n, _, _ in direct]),
+                            np.array([n for _, _, _, n, _, _ in direct], np.int64),
+                            np.concatenate([lo + chunk_size * np.arange(n, dtype=np.int64)
+                                            for _, lo, _, n, _, _ in direct]))
+            waves.append(Wave(wave, offsets, raw[i:k], groups, whole, whole_dsts, parts, direct,
+                              pack.data_ptr() + np.array(offsets, np.int64), in_place))
         return cls(plans, pack.data_ptr(), rows, stride, len(chunks), waves, any(k - i >= rows for i, k in bounds))
 
 

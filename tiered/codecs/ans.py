@@ -22,6 +22,7 @@ class AnsCodec(Codec):
     name = "ans"
     cpu_capable = False
     gpu_capable = True
+    reads_in_place = True
 
     @classmethod
     def spec_for(cls, dtype: torch.dtype) -> CodecSpec:

@@ -15,6 +15,9 @@ Call order, GPU (any codec with ``gpu_capable``), all on one CUDA stream:
     codec.pack(dst, src)                          # raw tensor bytes -> pack buffer (a layout
                                                   #   transform such as a byte shuffle may happen here)
     pending = codec.encode_batch(stream, chunk_size, pack, offsets, sizes, slab, row_offsets, row_capacity)
+                                                  # (``reads_in_place``: `pack` may be any buffer
+                                                  #   nvCOMP takes, such as a gpu_layout.Span over
+                                                  #   the tensors themselves, and nothing is packed)
     sizes = pending.sizes()                       # waits; compressed size of each chunk
     codec.decode_batch(stream, chunk_size, slab, row_offsets, stored_sizes, pack, offsets, raw_sizes)
     codec.unpack(dst, src)                        # pack buffer -> tensor bytes (inverse of pack)
@@ -40,6 +43,9 @@ class Codec:
     name: ClassVar[str]
     cpu_capable: ClassVar[bool]
     gpu_capable: ClassVar[bool]
+    reads_in_place: ClassVar[bool] = False
+    """`encode_batch` reads chunks from any buffer nvCOMP takes (its `src` need not be a tensor),
+    and `pack` is a plain copy: a save encodes a contiguous tensor from its own memory."""
 
     def __init__(self, spec: CodecSpec, settings: ZstdSettings):
         check_codec_spec(spec)  # the values the format allows (tiered.format.CODEC_PARAMETERS)
