@@ -405,3 +405,45 @@ def test_joined_extents_write_consecutive_extents_as_few_buffers():
     assert b"".join(bytes(b) for _, b in got) == b"".join(bytes(p) for p in parts)
     assert [len(b) for _, b in got] == [16384, 40960, 4096]  # (the large one alone, as it is)
     assert list(joined_extents([], 16384)) == []
+
+
+def test_the_writer_reads_queued_waves_sizes_only_while_the_copy_engine_is_idle():
+    """`RowsWriter._read_ahead` (on the CPU, with stand-ins for a device's waves): once the
+    device's copies are done, the sizes of the queued drained waves whose compression is done are
+    read, in order, up to the first that is not done; waves of another device, waves that do not
+    drain and CPU segments are skipped; nothing is taken from the queue; with copies in flight,
+    nothing is read (nvCOMP's read would wait behind them)."""
+    import queue
+    from types import SimpleNamespace
+
+    from tiered.gpu_write import RowsWriter
+
+    class Wave:
+        def __init__(self, done):
+            self.ready = SimpleNamespace(query=lambda: done)
+            self.read = False
+
+        def settle(self):
+            self.read = True
+
+    idle = [False]
+    dev, other = SimpleNamespace(copies_idle=lambda: idle[0]), SimpleNamespace(copies_idle=lambda: True)
+    seg = lambda done, drain=True, device=dev: SimpleNamespace(wave=Wave(done), drain=drain, device=device)  # noqa: E731
+    items = [seg(True), "cpu segment", seg(True, device=other), seg(True, drain=False), seg(True), seg(False),
+             seg(True)]
+    q: queue.Queue = queue.Queue()
+    for item in items:
+        q.put(item)
+    writer = RowsWriter(None, None, {})
+    writer._queue = q
+    writer._read_ahead(dev)
+    assert not any(getattr(i, "wave", None) and i.wave.read for i in items), "copies in flight: nothing read"
+    idle[0] = True
+    writer._read_ahead(dev)
+    assert [getattr(i, "wave", None) and i.wave.read for i in items] == [True, None, False, False, False, False,
+                                                                         False], "READ_AHEAD bounds the look"
+    assert list(q.queue) == items
+    q.get()
+    writer._read_ahead(dev)
+    assert [getattr(i, "wave", None) and i.wave.read for i in items] == [True, None, False, False, True, False,
+                                                                         False], "up to the first not compressed"

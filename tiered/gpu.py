@@ -466,6 +466,11 @@ class GpuDevice:
         first (`quiet_copies`)."""
         self._copies = done
 
+    def copies_idle(self) -> bool:
+        """The copies to the host issued so far are done (`quiet_copies` would not wait)."""
+        done = self._copies
+        return done is None or done.query()
+
     def quiet_copies(self) -> None:
         """Wait, with the GIL let go, for the copies to the host issued so far (`WaveSizes`)."""
         done = self._copies

@@ -12,6 +12,9 @@ Each wave of compressed rows (a `tiered.gpu.RowsSegment`) goes one of two ways:
   (`tiered.gpu_waves.WaveSizes`: nvCOMP's read would queue behind them holding the GIL), so the
   copy engine idles while this thread reads them and issues the wave: a 24 GB state drained in
   575 ms instead of 466, and the guarded save stalled 193 ms instead of 417 (GPU run 181).
+  So once a wave's sizes are read with the copy engine idle, the sizes of the waves queued behind
+  it whose compression is done are read too (`READ_AHEAD`), before this wave's copies are
+  issued: their drains then follow each other with no wait between them.
   How fast the slab's rows come back bounds how long a save of a large state holds training.
 
 Call order (one `RowsWriter` per data file, on the writer thread):
@@ -35,6 +38,9 @@ from tiered.units import round_up
 
 DRAIN_DEPTH = 2
 """Drained waves issued and not yet finished (placed, writes handed out)."""
+READ_AHEAD = 4
+"""Queued waves whose sizes are read while the copy engine is idle (the stager encodes at most
+`tiered.gpu_waves.ENCODE_STREAMS` waves whose sizes are unread)."""
 
 
 class RowsWriter:
@@ -48,6 +54,7 @@ class RowsWriter:
         self.writer, self.place, self.timings = writer, place, timings
         self._issued: deque[tuple[Any, Any]] = deque()
         self._first: float | None = None
+        self._queue: "queue.Queue[Any] | None" = None
 
     def _waits(self) -> float:
         return self.timings.get("write.host_wait_ms", 0.0) + self.timings.get("write.copy_wait_ms", 0.0)
@@ -60,6 +67,7 @@ class RowsWriter:
     def take(self, segments: "queue.Queue[Any]") -> Any:
         """The next segment staged for this file. While none is ready, the oldest issued wave is
         finished instead: the stager may be waiting for exactly those slab rows."""
+        self._queue = segments
         while True:
             try:
                 return segments.get_nowait()
@@ -81,6 +89,7 @@ class RowsWriter:
                 seg.release()
                 return
             waits = self._waits()
+            self._read_ahead(seg.device)
             drained = seg.device.issue_drain(seg, sizes, self._host_pages)
         except BaseException:
             seg.release()
@@ -92,6 +101,24 @@ class RowsWriter:
                                           + 1e3 * (time.perf_counter() - t1) - (self._waits() - waits))
         while len(self._issued) > DRAIN_DEPTH:
             self._finish_oldest()
+
+    def _read_ahead(self, device: Any) -> None:
+        """Where the device's copies to the host are all done, read the sizes of the queued waves
+        whose compression is done (nvCOMP's read finds the copy engine free, as `WaveSizes`
+        needs), so that their drains are issued without waiting for the copies of this one.
+        The waves stay queued; only their sizes are read."""
+        q = self._queue
+        if q is None or not device.copies_idle():
+            return
+        with q.mutex:  # (a look at the queue: nothing is taken from it)
+            ahead = [item for _, item in zip(range(READ_AHEAD), q.queue)]
+        for item in ahead:
+            wave = getattr(item, "wave", None)  # (CPU segments and the end of staging have none)
+            if wave is None or not item.drain or item.device is not device:
+                continue
+            if not wave.ready.query():
+                return
+            wave.settle()
 
     def flush(self) -> None:
         """Finish every issued wave: their chunks are placed and their writes started."""
