@@ -151,6 +151,53 @@ class _MyTensor(torch.Tensor):
     pass
 
 
+def test_a_skeleton_of_the_same_structure_is_made_of_the_nodes_made_before():
+    """A save's skeleton lives until its index is written: new containers for every tensor each
+    save would reach the collector's oldest generation and set off full collections. Flattening
+    a state of the structure flattened before (new dicts, as state_dict() makes) reuses the
+    earlier nodes wherever everything under them is a tensor; nodes with other values are new;
+    the JSON is the same as ever; a changed structure gets its own nodes."""
+    import gc
+    import json
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+    def state(epoch):
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": epoch, "keys": [1, "a"]}
+
+    def tracked(node, out):
+        if gc.is_tracked(node):
+            out[id(node)] = node
+        if isinstance(node, dict):
+            for v in node.values():
+                tracked(v, out)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                tracked(v, out)
+        return out
+
+    first, leaves1 = tree.flatten(state(1), share=True)
+    second, leaves2 = tree.flatten(state(2), share=True)
+    assert [p for p, _, _ in leaves1] == [p for p, _, _ in leaves2]
+    before = tracked(first, {})
+    new = [v for k, v in tracked(second, {}).items() if k not in before]
+    assert first["$dict"][0] is second["$dict"][0], "the model's node and pair are the ones made before"
+    states = [v for _, v in second["$dict"][1][1]["$dict"]][0]
+    assert states is [v for _, v in first["$dict"][1][1]["$dict"]][0], "the optimizer's per-parameter state too"
+    assert not [v for v in new if isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[1], dict)
+                and "$tensor" in v[1]], "no new (key, tensor) pair"
+    plain = json.loads(json.dumps(second))
+    assert plain["$dict"][2] == ["epoch", 2] and plain["$dict"][0][1]["$odict"][0] == ["0.weight", {"$tensor": 0}]
+    assert json.dumps(first).replace('"epoch", 1', '"epoch", 2') == json.dumps(second)
+    other, _ = tree.flatten({"model": {"0.weight": model[0].weight.detach(), "bias": model[0].bias.detach()}})
+    assert json.loads(json.dumps(other)) == {"$dict": [["model", {"$dict": [["0.weight", {"$tensor": 0}],
+                                                                            ["bias", {"$tensor": 1}]]}]]}
+    assert tree.decode(second, lambda i: i)["model"]["1.bias"] == 3
+
+
 def test_tree_takes_tensors_and_parameters_and_refuses_other_tensor_kinds():
     """flatten tests plain tensors and Parameters by exact type first (a save's hot path); a
     Parameter's subclass is still a leaf, other tensor kinds are refused by name."""

@@ -44,7 +44,7 @@ def snapshot(plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], host:
     Blocks while the host budget is held by earlier segments (backpressure); a tensor larger
     than the budget is staged in pieces, each written before the next is copied.
     """
-    chunks = chunk_refs(plans)
+    chunks = _chunk_refs(plans)
     if not chunks:
         return
     total = sum(c.raw_size for c in chunks)
@@ -61,6 +61,21 @@ def snapshot(plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], host:
         with torch.no_grad():
             _copy_wave(runs.within(i, k), tensors, raw, chunk_size)
         emit(RawSegment(chunks[i:k], raw, lambda p=page: host.ring.release(p)))
+
+
+_refs: tuple[Sequence[TensorPlan], list[ChunkRef]] = ((), [])
+
+
+def _chunk_refs(plans: Sequence[TensorPlan]) -> list[ChunkRef]:
+    """`chunk_refs(plans)`, kept for the plans of the last save (a cached plan's are the same
+    object from save to save): made anew, an object per chunk each save lives until the step is
+    written and ends up in the cyclic collector's oldest generation (see tree._Kept)."""
+    global _refs
+    last, refs = _refs
+    if last is not plans:
+        refs = chunk_refs(plans)
+        _refs = (plans, refs)
+    return refs
 
 
 def _copy_wave(items: list[tuple[TensorPlan, int, int]], tensors: Sequence[torch.Tensor], raw: torch.Tensor,
@@ -97,15 +112,17 @@ def _alike(item: tuple[TensorPlan, int, int], first: TensorPlan) -> bool:
     return j0 == 0 and n == p.nchunks and p.nbytes == first.nbytes and p.dtype == first.dtype and p.shape == first.shape
 
 
-def pad_extent(stored: bytes | memoryview) -> memoryview:
+def pad_extent(stored: bytes | memoryview) -> bytearray:
     """A chunk's stored bytes zero-padded to its aligned extent in the data file."""
     padded = bytearray(round_up(len(stored), ALIGNMENT))
     padded[:len(stored)] = stored
-    return memoryview(padded)
+    return padded
 
 
-def stored_extent(stored: bytes | memoryview) -> tuple[memoryview, int, int]:
-    """(padded extent, stored size, checksum) of a freshly encoded chunk."""
+def stored_extent(stored: bytes | memoryview) -> tuple[bytearray, int, int]:
+    """(padded extent, stored size, checksum) of a freshly encoded chunk. A bytearray and two
+    ints: the cyclic collector stops tracking such a tuple, where a memoryview it tracks for as
+    long as it lives (thousands per save of an optimizer's `step` scalars: see tree._Kept)."""
     return pad_extent(stored), len(stored), wsum64(stored)
 
 
@@ -114,12 +131,12 @@ INLINE_CHUNK_BYTES = 16 << 10
 costs more than the encoding (an optimizer's `step` scalars are thousands of 4-byte chunks)."""
 
 
-def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSettings) -> list[tuple[memoryview, int, int]]:
+def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSettings) -> list[tuple[bytearray, int, int]]:
     """[(padded stored extent, stored size, checksum)] for each chunk of the segment, in order."""
     buf = seg.raw.numpy()
     starts = np.cumsum([0] + [c.raw_size for c in seg.chunks])
 
-    def one(i: int) -> tuple[memoryview, int, int]:
+    def one(i: int) -> tuple[bytearray, int, int]:
         c = seg.chunks[i]
         return stored_extent(get_codec(c.plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]])))
 
@@ -128,12 +145,12 @@ def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSett
     return list(pool.map(one, range(len(seg.chunks))))
 
 
-def joined_extents(extents: Sequence[memoryview], limit: int) -> Iterator[tuple[int, memoryview]]:
+def joined_extents(extents: Sequence[bytearray], limit: int) -> Iterator[tuple[int, memoryview]]:
     """(offset from the first, bytes) of consecutive padded extents joined up to `limit` bytes
     (an extent larger than that alone, as it is): one write each instead of one per chunk."""
     at = 0
     for i, k, size in extent_runs([len(e) for e in extents], limit)[1]:
-        yield at, (extents[i] if k == i + 1 else memoryview(b"".join(extents[i:k])))
+        yield at, memoryview(extents[i] if k == i + 1 else b"".join(extents[i:k]))
         at += size
 
 

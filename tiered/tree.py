@@ -59,6 +59,48 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+class _Kept:
+    """Skeleton nodes kept from one flatten to the next, so that a save of the same structure makes
+    none anew. The skeleton lives until the step's index is written (seconds), and the cyclic
+    collector moves what lives that long into its oldest generation: thousands of new tuples,
+    lists and dicts per save set off a full collection every few saves, which held the GIL for
+    ~180 ms beside training at 24 GB (GPU run 205). A tensor's reference {"$tensor": i} is one
+    object per index; a (key, node) pair and a dict's node are kept where every node under them
+    is, looked up by the ids of those nodes: each kept value holds the objects whose ids its key
+    names, so an id in a key always means that object. Bounded: dropped whole past `LIMIT`."""
+
+    LIMIT = 1 << 16
+    """Entries kept at least (more for a larger state: 4 per leaf)."""
+    MAX_REFS = 1 << 18
+
+    def __init__(self) -> None:
+        self.refs: list[dict] = []
+        self.pairs: dict[tuple[Any, int], tuple[Any, Any]] = {}
+        self.nodes: dict[tuple[str, tuple[int, ...]], dict] = {}
+        self.ids: set[int] = set()
+
+    def ref(self, i: int) -> dict:
+        refs = self.refs
+        if i < len(refs):
+            return refs[i]
+        if i >= self.MAX_REFS:
+            return {"$tensor": i}
+        while len(refs) <= i:
+            r = {"$tensor": len(refs)}
+            refs.append(r)
+            self.ids.add(id(r))
+        return r
+
+    def trim(self, leaves: int) -> None:
+        if len(self.pairs) + len(self.nodes) > max(self.LIMIT, 4 * leaves):
+            self.pairs.clear()
+            self.nodes.clear()
+            self.ids = {id(r) for r in self.refs}
+
+
+_kept = _Kept()
+
+
 def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
     """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}.
 
@@ -69,6 +111,7 @@ def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
     offset, shape or stride) stay separate leaves."""
     leaves: list[Leaf] = []
     skeleton = _encode(state, (), leaves, {} if share else None)
+    _kept.trim(len(leaves))
     return skeleton, leaves
 
 
@@ -95,22 +138,46 @@ _new_leaf = tuple.__new__
 def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = None) -> Any:
     # Per node, in a save's call, on the training thread: the common types are tested first,
     # by exact type, and a dict's tensors are placed without a call of this function each.
+    # Nodes of the same structure as a save before are that save's nodes (`_Kept`).
     cls = type(obj)
     if cls in PLAIN_TENSORS:
         return _tensor_leaf(obj, path, leaves, seen)
     if cls is dict or cls is OrderedDict or isinstance(obj, dict):
         items = []
         append = items.append
+        pairs, kept_ids = _kept.pairs, _kept.ids
+        whole = True  # (every pair kept: the node may be)
         for k, v in obj.items():
             if type(k) is str or type(k) is int:  # (an optimizer's state is keyed by int)
                 k_enc = k
             elif isinstance(k, (str, int, float, bool, type(None), tuple)):
                 k_enc = _encode(k, path, [])
+                whole = False
             else:
                 raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
-            append([k_enc, _tensor_leaf(v, path + (k,), leaves, seen) if type(v) in PLAIN_TENSORS
-                    else _encode(v, path + (k,), leaves, seen)])
-        return {"$odict" if isinstance(obj, OrderedDict) else "$dict": items}
+            node = _tensor_leaf(v, path + (k,), leaves, seen) if type(v) in PLAIN_TENSORS \
+                else _encode(v, path + (k,), leaves, seen)
+            if whole:
+                key = (k_enc, id(node))
+                pair = pairs.get(key)
+                if pair is None:
+                    pair = (k_enc, node)
+                    if key[1] in kept_ids:
+                        pairs[key] = pair
+                    else:
+                        whole = False
+            else:
+                pair = (k_enc, node)
+            append(pair)
+        tag = "$odict" if isinstance(obj, OrderedDict) else "$dict"
+        if not whole:
+            return {tag: items}
+        key = (tag, tuple([id(p) for p in items]))
+        got = _kept.nodes.get(key)
+        if got is None:
+            got = _kept.nodes[key] = {tag: tuple(items)}
+            kept_ids.add(id(got))
+        return got
     if obj is None or isinstance(obj, (str, int)):  # int covers bool
         return obj
     if isinstance(obj, torch.nn.Parameter):  # (a subclass of Parameter)
@@ -124,7 +191,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
         if obj.dtype.hasobject or obj.dtype.fields is not None:
             raise StateDictError(f"{path_str(path)}: numpy arrays of dtype {obj.dtype} cannot be stored without pickling")
         leaves.append(Leaf(path, torch.from_numpy(np.ascontiguousarray(obj).copy()), True))
-        return {"$tensor": len(leaves) - 1}
+        return _kept.ref(len(leaves) - 1)
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"$float": repr(obj)}
     if isinstance(obj, np.generic):
@@ -165,10 +232,11 @@ def _tensor_leaf(obj: torch.Tensor, path: KeyPath, leaves: list[Leaf], seen: dic
             if key is not None:
                 for i in same:
                     if _view_key(leaves[i][1]) == key:
-                        return {"$tensor": i}
+                        return _kept.ref(i)
             same.append(n)
     leaves.append(_new_leaf(Leaf, (path, obj.detach() if obj.requires_grad else obj, False)))
-    return {"$tensor": n}
+    refs = _kept.refs
+    return refs[n] if n < len(refs) else _kept.ref(n)
 
 
 def decode(skeleton: Any, leaf: Any) -> Any:
