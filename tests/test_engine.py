@@ -284,6 +284,38 @@ def test_small_budgets_work_in_waves(tier_config, device, codec):
     assert_same(state, target)
 
 
+def test_a_save_keeps_no_object_per_tensor_alive_for_the_collector(tier_config):
+    """What a save keeps alive until its step is written, Python's collector moves to its oldest
+    generation, and enough of it sets off a full pass that holds the GIL beside training (180-224
+    ms every four or five saves at 24 GB: GPU runs 206 and 210). Saves of one structure (new
+    dicts each time, as state_dict() makes) leave no tracked object per tensor alive after the
+    call: not the skeleton, the chunk records, nor the encoded chunks."""
+    import gc
+
+    g = torch.Generator().manual_seed(1)
+    params = [torch.randn(64, generator=g) for _ in range(700)]
+    moments = [(torch.randn(64, generator=g), torch.randn(64, generator=g), torch.tensor(3.0)) for _ in params]
+
+    def state() -> dict:
+        return {"model": OrderedDict((f"layer{i}.weight", p) for i, p in enumerate(params)),
+                "optim": {"state": {i: {"step": s, "exp_avg": a, "exp_avg_sq": b} for i, (a, b, s) in enumerate(moments)},
+                          "param_groups": [{"lr": 0.001, "params": list(range(len(params)))}]}}
+
+    with tiered.Engine.from_config(tier_config("zstd")) as engine:
+        engine.save(0, state()).wait()
+        for step in (1, 2):
+            s = state()
+            gc.collect()
+            before = {id(o) for o in gc.get_objects()}
+            handle = engine.save(step, s)
+            del s
+            gc.collect(1)  # (what a collection now would move on: tuples of untracked objects go untracked)
+            kept = [type(o).__name__ for o in gc.get_objects() if id(o) not in before]
+            handle.wait()
+            assert len(kept) < 400, f"{len(kept)} new tracked objects for 2,800 tensors: " \
+                f"{sorted(set(kept), key=kept.count)[-5:]}"
+
+
 def test_cpu_state_is_snapshotted_before_save_returns(tier_config):
     w = torch.arange(2_000_000, dtype=torch.float32)
     with tiered.Engine.from_config(tier_config()) as engine:
