@@ -42,7 +42,9 @@ process's resident set, pinned buffers included); the cold restore into the zero
 cache dropped where permitted, checked bit-exact by a fingerprint of every tensor taken before
 zeroing. Same-run ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and
 the GPU codecs' encode rate alone on a batch of the state's own tensors (what compressing the
-state takes of a GPU that training keeps busy).
+state takes of a GPU that training keeps busy). Per save, also the full passes of Python's
+collector that ran inside its window, on any thread and on the engine's (`scripts/gc_watch.py`):
+one holds the GIL for ~0.2 s here, and shows as stall whoever set it off.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import torch
 
 import tiered
 from baselines import dir_bytes
+from gc_watch import FullCollections
 
 GiB = 1 << 30
 
@@ -364,17 +367,20 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         if k == saves - 1:
             prints = fingerprint(state)
         barrier()
-        secs, call, result = window.run(start, before_update)
+        with FullCollections() as full:  # (a full pass of Python's collector in the window shows as stall)
+            secs, call, result = window.run(start, before_update)
         low = min(low, gpu_free(device))
         done = durable(result)
         low = min(low, gpu_free(device))
         row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
-        row.saves[-1]["steps_ms"] = window.last_steps_ms
+        row.saves[-1].update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms)
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
+        gc_note = f", full collections in the window {full.ms} ms ({full.engine_ms} on the engine's threads)" \
+            if full.runs else ""
         say(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
-            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s")
+            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s{gc_note}")
     return prints
 
 

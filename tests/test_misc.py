@@ -494,3 +494,30 @@ def test_the_writer_reads_queued_waves_sizes_only_while_the_copy_engine_is_idle(
     writer._read_ahead(dev)
     assert [getattr(i, "wave", None) and i.wave.read for i in items] == [True, None, False, False, True, False,
                                                                          False], "up to the first not compressed"
+
+
+def test_the_bench_counts_full_collections_by_thread():
+    """scripts/gc_watch.py (the scale bench's per-save record): full collections inside the block,
+    all threads and the engine's (named tiered-*); younger generations and collections outside
+    the block are not counted."""
+    import gc
+    import importlib.util
+    import threading
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gc_watch.py"
+    spec = importlib.util.spec_from_file_location("gc_watch", path)
+    gc_watch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc_watch)
+    gc.collect()
+    with gc_watch.FullCollections() as full:
+        gc.collect(0)
+        gc.collect(1)
+        assert full.runs == []
+        gc.collect()
+        worker = threading.Thread(target=gc.collect, name="tiered-writer")
+        worker.start()
+        worker.join()
+    gc.collect()
+    assert [name for name, _ in full.runs] == [threading.current_thread().name, "tiered-writer"]
+    assert full.ms >= full.engine_ms > 0 and full.engine_ms == round(full.runs[1][1], 1)
