@@ -198,6 +198,33 @@ def test_a_skeleton_of_the_same_structure_is_made_of_the_nodes_made_before():
     assert tree.decode(second, lambda i: i)["model"]["1.bias"] == 3
 
 
+def test_skeletons_flattened_on_several_threads_at_once_refer_to_their_own_leaves(monkeypatch):
+    """The kept nodes (`tree._Kept`) are shared by every thread that flattens: threads that grow
+    them at once (first saves of large states on two engines, a restore beside a save) each get a
+    skeleton whose every reference names the leaf at that place."""
+    import threading
+
+    monkeypatch.setattr(tree, "_kept", tree._Kept())
+    tensors = [torch.zeros(1) for _ in range(3000)]
+    errors = []
+
+    def work(n: int) -> None:
+        for _ in range(3):
+            state = {"a": {f"t{i}": t for i, t in enumerate(tensors[:n])}, "b": {"x": tensors[n - 1], "lr": 0.1}}
+            skeleton, leaves = tree.flatten(state)
+            got = tree.decode(skeleton, lambda i: leaves[i].tensor)
+            if [id(t) for t in got["a"].values()] != [id(t) for t in tensors[:n]] or got["b"]["x"] is not tensors[n - 1]:
+                errors.append(n)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in (2999, 2500, 1700, 3000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [r["$tensor"] for r in tree._kept.refs] == list(range(len(tree._kept.refs)))
+
+
 def test_tree_takes_tensors_and_parameters_and_refuses_other_tensor_kinds():
     """flatten tests plain tensors and Parameters by exact type first (a save's hot path); a
     Parameter's subclass is still a leaf, other tensor kinds are refused by name."""

@@ -11,6 +11,7 @@ import base64
 import contextlib
 import gc
 import math
+import threading
 from collections import OrderedDict
 from typing import Any, Iterator, NamedTuple
 
@@ -64,32 +65,34 @@ class _Kept:
     none anew. The skeleton lives until the step's index is written (seconds), and the cyclic
     collector moves what lives that long into its oldest generation: thousands of new tuples,
     lists and dicts per save set off a full collection every few saves, which held the GIL for
-    ~180 ms beside training at 24 GB (GPU run 205). A tensor's reference {"$tensor": i} is one
+    ~180 ms beside training at 24 GB (GPU run 206). A tensor's reference {"$tensor": i} is one
     object per index; a (key, node) pair and a dict's node are kept where every node under them
     is, looked up by the ids of those nodes: each kept value holds the objects whose ids its key
-    names, so an id in a key always means that object. Bounded: dropped whole past `LIMIT`."""
+    names, so an id in a key always means that object (whichever thread put it there). Bounded:
+    pairs and nodes are dropped whole past `LIMIT`; references are kept up to `MAX_REFS`."""
 
     LIMIT = 1 << 16
-    """Entries kept at least (more for a larger state: 4 per leaf)."""
-    MAX_REFS = 1 << 18
+    """Pairs and nodes kept at least (more for a larger state: 4 per leaf)."""
+    MAX_REFS = 1 << 16
+    """References kept (~19 MB at most; a state of more tensors makes its later ones anew)."""
 
     def __init__(self) -> None:
         self.refs: list[dict] = []
         self.pairs: dict[tuple[Any, int], tuple[Any, Any]] = {}
         self.nodes: dict[tuple[str, tuple[int, ...]], dict] = {}
         self.ids: set[int] = set()
+        self._grow = threading.Lock()
 
     def ref(self, i: int) -> dict:
-        refs = self.refs
-        if i < len(refs):
-            return refs[i]
         if i >= self.MAX_REFS:
             return {"$tensor": i}
-        while len(refs) <= i:
-            r = {"$tensor": len(refs)}
-            refs.append(r)
-            self.ids.add(id(r))
-        return r
+        refs = self.refs
+        with self._grow:  # (two threads growing it at once would give an index two references)
+            while len(refs) <= i:
+                r = {"$tensor": len(refs)}
+                refs.append(r)
+                self.ids.add(id(r))
+        return refs[i]
 
     def trim(self, leaves: int) -> None:
         if len(self.pairs) + len(self.nodes) > max(self.LIMIT, 4 * leaves):
@@ -102,7 +105,8 @@ _kept = _Kept()
 
 
 def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
-    """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}.
+    """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}. Its nodes may be
+    those of an earlier flatten of the same structure (`_Kept`): it is read, never changed.
 
     With `share`, a tensor that is the same view of the same memory as an earlier one (tied
     weights: an embedding and an output layer holding one Parameter; one tensor put in the state
