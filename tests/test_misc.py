@@ -506,10 +506,10 @@ def test_the_writer_reads_queued_waves_sizes_only_while_the_copy_engine_is_idle(
     items = [seg(True), "cpu segment", seg(True, device=other), seg(True, drain=False), seg(True), seg(False),
              seg(True)]
     q: queue.Queue = queue.Queue()
-    for item in items:
+    for item in ["the wave being written"] + items:
         q.put(item)
     writer = RowsWriter(None, None, {})
-    writer._queue = q
+    assert writer.take(q) == "the wave being written"  # (the queue it reads ahead in)
     writer._read_ahead(dev)
     assert not any(getattr(i, "wave", None) and i.wave.read for i in items), "copies in flight: nothing read"
     idle[0] = True
