@@ -133,7 +133,7 @@ class DistributedSaver:
         writer = StepWriter(self.saves, 0)  # (the step is a placeholder: a reused plan takes each save's)
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
         final, _, resolve = self._plan(state_dict, writer)
-        return self.saves.reserve(writer.items(final, resolve))
+        return self.saves.reserve(writer.items(final, resolve), rank_only=True)
 
     def _all(self, flag: bool) -> bool:
         """`flag` holds on every rank (an all-reduce of one int on the default group)."""

@@ -173,13 +173,14 @@ class SavePipeline:
                 job.enqueued.set()
 
     # --- for the engine, the distributed save and DCP storage ----------------------------------
-    def reserve(self, state_dict: Any) -> int:
-        """For `Engine.reserve`, at start-up (under torch.distributed: this rank's items of the
-        plan DCP made, `DistributedSaver.reserve`): ready the GPUs for saves of `state_dict`
-        (streams, the checksum kernel compiled), plan it, lay it out in each GPU's pack buffer
-        and run the save's kernels once (`GpuDevice.prepare`), so that the first save of its
-        structure reuses the plan and the layout and loads no kernel. Returns its tensors' bytes."""
-        leaves = tree.flatten(state_dict, share=True)[1]
+    def reserve(self, state_dict: Any, *, rank_only: bool = False) -> int:
+        """For `Engine.reserve`, at start-up (under torch.distributed, `rank_only`: this rank's
+        items of the plan DCP made, `DistributedSaver.reserve`): ready the GPUs for saves of
+        `state_dict` (streams, the checksum kernel compiled), plan it as `save` does, lay it out
+        in each GPU's pack buffer and run the save's kernels once (`GpuDevice.prepare`), so that
+        the first save of its structure reuses the plan and the layout and loads no kernel.
+        Returns its tensors' bytes."""
+        leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
         tensors = [leaf.tensor for leaf in leaves]
         self.workers.prepare(tensors)
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
