@@ -279,7 +279,7 @@ class GpuDevice:
         remaining = layout.nchunks
         encode_clock, self._clock = self._clock, None
         contiguous: dict[int, torch.Tensor] = {}
-        for wi, wave in enumerate(layout.waves):
+        for wave in layout.waves:
             n = len(wave.chunks)
             t1 = clock()
             start = ring.acquire(n, on_block)
