@@ -7,7 +7,7 @@ their optimizer state: 10,360 tensors), tiny tensors, so only the per-tensor wor
 
 Prints the medians (after 5 warm-up iterations, collector paused, as in a save) of: the walk of
 the state (`tree.flatten`), the cached plan's key and reuse (`PlanCache.plan`), the storages the
-optimizers guard (`overlap.guarded_storages`) and the search for the rest (`overlap.overlap_plan`).
+optimizers guard (`overlap.Guarded`) and the search for the rest (`overlap.overlap_plan`).
 To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
 (`taskset -c 3`): the host's speed moves from one process to the next (docs/benchmarks.md,
 session 14).
@@ -24,7 +24,7 @@ import torch
 
 import tiered
 from tiered import tree
-from tiered.overlap import guarded_storages, overlap_plan
+from tiered.overlap import Guarded, overlap_plan
 from tiered.plan import PlanCache
 
 
@@ -74,7 +74,7 @@ def main() -> None:
             t2 = time.perf_counter()
             plan = cache.plan(leaves, "ans", 1 << 20, gpu)
             t3 = time.perf_counter()
-            guarded = guarded_storages(opts)
+            guarded = Guarded(opts)
             t4 = time.perf_counter()
             overlap_plan(plan, guarded, lambda i: 1 << 40)
             t5 = time.perf_counter()

@@ -248,6 +248,24 @@ def test_tree_shares_a_view_seen_again_after_another_view_at_its_address():
     assert refs == {"a": 0, "rows": 1, "b": 0, "rows2": 1, "own": 2} and len(leaves) == 3
 
 
+def test_tree_lists_of_ints_and_strs_are_copied_whole_and_others_encoded_each():
+    """An optimizer's parameter ids are a list of ints per group: flatten copies such a list in
+    one call. The copy, not the caller's list, is in the skeleton (written later, on the writer's
+    thread); lists with anything else are encoded element by element as before."""
+    ids, names = list(range(300)), ["a", "b"]
+    state = {"ids": ids, "names": names, "flags": [True, 2], "mixed": [1, 2.5, float("inf"), None],
+             "nested": [1, [2, torch.ones(1)]]}
+    skeleton, leaves = tree.flatten(state)
+    got = dict(skeleton["$dict"])
+    ids.append(300)
+    names[0] = "z"
+    assert got["ids"] == list(range(300)) and got["ids"] is not ids and got["names"] == ["a", "b"]
+    assert got["flags"] == [True, 2] and type(got["flags"][0]) is bool
+    assert got["mixed"] == [1, 2.5, {"$float": "inf"}, None]
+    assert got["nested"] == [1, [2, {"$tensor": 0}]] and len(leaves) == 1
+    assert tree.decode(skeleton, lambda i: leaves[i].tensor)["ids"] == list(range(300))
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"s": {1, 2}}, "s: cannot checkpoint an object of type builtins.set"),
     ({"x": [lambda: 0]}, r"x\[0\]: cannot checkpoint"),

@@ -93,14 +93,17 @@ def test_unguarded_tensors_are_cloned_at_save(tier_config, device):
 
 def test_guard_keys_cover_parameters_state_and_views():
     model, opt = trained_model("cpu", steps=1)
-    keys = overlap.guarded_storages([opt])
-    sd = model.state_dict()
-    assert all(overlap.storage_key(t) in keys for t in sd.values()), "state_dict tensors share the parameters' memory"
-    assert all(overlap.storage_key(v) in keys for st in opt.state.values() for v in st.values())
+    guarded = overlap.Guarded([opt])
+    sd, osd = model.state_dict(), opt.state_dict()
+    assert all(t in guarded for t in sd.values()), "state_dict tensors share the parameters' memory"
+    assert all(v in guarded for st in osd["state"].values() for v in st.values()), "the optimizer's own tensors"
     w = next(iter(model.parameters()))
-    assert overlap.storage_key(w[0]) in keys, "a view from the first byte is the parameter's memory"
-    assert overlap.storage_key(w[1]) not in keys, "a view that starts elsewhere counts as unguarded (cloned: safe)"
-    assert overlap.storage_key(w.clone()) not in keys
+    assert w[0] in guarded, "a view from the first byte is the parameter's memory"
+    assert w[1] not in guarded, "a view that starts elsewhere counts as unguarded (cloned: safe)"
+    assert w.clone() not in guarded
+    m = next(iter(opt.state.values()))["exp_avg"]
+    assert m.view(-1) not in guarded, "an alias of optimizer state that is not the tensor itself is cloned (safe)"
+    assert torch.zeros(3) not in guarded
 
 
 def test_without_guard_saves_are_strict_and_stager_never_starts(tier_config):
@@ -183,3 +186,25 @@ def test_saves_and_restores_are_exact_when_new_memory_is_filled_with_nan(tmp_pat
     finally:
         torch.use_deterministic_algorithms(was)
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def test_guard_covers_dtensor_parameters_and_state_by_their_local_shards(tmp_path):
+    """Under FSDP2 parameters and optimizer state are DTensors; a save reads their local shards,
+    which are other objects than the DTensors the optimizer holds: guarded by their memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        opt = torch.optim.AdamW([p])
+        p.sum().backward()
+        opt.step()
+        guarded = overlap.Guarded([opt])
+        state = opt.state[p]
+        assert p.to_local() in guarded and state["exp_avg"].to_local() in guarded
+        assert state["exp_avg_sq"].to_local().clone() not in guarded
+    finally:
+        dist.destroy_process_group()

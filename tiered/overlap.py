@@ -38,19 +38,36 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
     return t.get_device(), t.data_ptr()
 
 
-def guarded_storages(optimizers: Iterable[Any]) -> set[tuple[int, int]]:
-    """The storages that only `optimizer.step()` changes: each optimizer's parameters and state."""
-    keys = {storage_key(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    keys.update({storage_key(v) for opt in optimizers for state in opt.state.values() for v in state.values()
-                 if isinstance(v, torch.Tensor)})
-    return keys
+class Guarded:
+    """What the optimizers guard, asked of each tensor of a save (`t in guarded`): their state's
+    plain tensors by identity (`optimizer.state_dict()` hands out the very tensors the step
+    updates), and their parameters' memory by first byte (`model.state_dict()` hands out new
+    detached views of it), as that of state that is a tensor subclass (a DTensor: a save reads its
+    local shard). Identity costs a set lookup, not two calls on the tensor: for a state of
+    thousands of tensors, milliseconds of a save's call (docs/benchmarks.md, session 17). Any
+    other alias of optimizer state counts as unguarded, so it is cloned: safe, only more copying.
+    Made per save, from the optimizers as they are then."""
+
+    def __init__(self, optimizers: Iterable[Any]):
+        plain = PLAIN_TENSORS
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        state = [v for opt in optimizers for st in opt.state.values() for v in st.values()
+                 if type(v) in plain or isinstance(v, torch.Tensor)]
+        self._held = params + state
+        """(Holding them keeps each id below that object's while this lives.)"""
+        self._ids = set(map(id, self._held))
+        self._keys = {(p.get_device(), p.data_ptr()) if type(p) in plain else storage_key(p) for p in params}
+        self._keys.update([storage_key(t) for t in state if type(t) not in plain])
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return id(t) in self._ids or storage_key(t) in self._keys
 
 
-def overlap_plan(plan: SavePlan, guarded: set[tuple[int, int]], free_gpu: Any) -> tuple[SavePlan | None, str]:
+def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SavePlan | None, str]:
     """(the plan with its unguarded tensors replaced by clones, "") or (None, why not) when
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
     tensors: list[torch.Tensor] = list(plan.tensors)
-    unguarded = [i for i, t in enumerate(tensors) if storage_key(t) not in guarded]
+    unguarded = [i for i, t in enumerate(tensors) if t not in guarded]
     per_gpu: dict[int, int] = {}
     for i in unguarded:
         t = tensors[i]

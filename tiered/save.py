@@ -51,7 +51,7 @@ from tiered.format import (ALIGNMENT, ChunkTable, Manifest, RankEntry, data_file
                            index_json)
 from tiered.gpu_write import RowsWriter
 from tiered.handle import RankFiles, SaveHandle
-from tiered.overlap import Guard, guarded_storages, overlap_plan
+from tiered.overlap import Guard, Guarded, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
@@ -323,7 +323,7 @@ class SavePipeline:
 
     def _overlapped(self, plan: SavePlan) -> SavePlan | None:
         """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly."""
-        got, why = overlap_plan(plan, guarded_storages(self._guards), lambda i: torch.cuda.mem_get_info(i)[0])
+        got, why = overlap_plan(plan, Guarded(self._guards), lambda i: torch.cuda.mem_get_info(i)[0])
         if got is None and not self._logged_strict:
             self._logged_strict = True
             log.warning("tiered: saves are staged strictly (save() waits for the GPU to read the state), not "

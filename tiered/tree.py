@@ -209,6 +209,8 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
     if isinstance(obj, torch.Size):
         return {"$size": list(obj)}
     if isinstance(obj, list):
+        if all(type(v) is int or type(v) is str for v in obj):  # (an optimizer's parameter ids: one call, not one each)
+            return list(obj)
         return [_encode(v, path + (i,), leaves, seen) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
         return {"$tuple": [_encode(v, path + (i,), leaves, seen) for i, v in enumerate(obj)]}
