@@ -203,7 +203,8 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
             return stored, len(stored), rec.chunks[j].checksum  # copied by _Batches.add before `data` is reused
         raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
         decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
-        return _encoded(get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw)))
+        out = get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw))
+        return out, len(out), None  # (its checksum: on this thread, `_pool_results`, while the pool encodes on)
 
     def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> None:
         for ref in group:
@@ -249,6 +250,8 @@ def _pool_results(win: list[tuple[TensorRecord, int]], futures: list[Future], pr
     `release` the window's source memory and report its raw bytes to `progress`."""
     for (rec, j), future in zip(win, futures):
         stored, size, crc = future.result()
+        if crc is None:  # (a chunk recompressed on the CPU pool, checksummed here: see `_cpu_chunks`)
+            crc = wsum64(stored)
         yield [(rec, rec.chunks[j], size, crc)], stored, None
     if release is not None:
         release()
