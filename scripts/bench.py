@@ -284,6 +284,9 @@ def main() -> int:
     ap.add_argument("--window-steps", type=int, default=6, help="scale mode: training steps per measured window")
     ap.add_argument("--methods", default="tiered,tiered_overlap,dcp_pinned,dcp_stager,torch_save",
                     help="scale mode: which rows, in order")
+    ap.add_argument("--gil-watch", action="store_true",
+                    help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
+                         "and where the engine's threads were then (scripts/gil_watch.py; it costs a little GIL)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per training step (default 16 GPU, 8 CPU; 256 tokens each on the GPU): larger "
                          "makes a step GPU-bound rather than bound by launching its kernels")
@@ -405,7 +408,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
     for size in (float(x) for x in args.scale.split(",")):
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
-                             drop_caches=drop_caches, ceilings=ceilings,
+                             drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch,
                              progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
         results["scale"].append(out)

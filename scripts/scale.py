@@ -49,6 +49,7 @@ one holds the GIL for ~0.2 s here, and shows as stall whoever set it off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -62,6 +63,7 @@ import torch
 import tiered
 from baselines import dir_bytes
 from gc_watch import FullCollections
+from gil_watch import GilWaits
 
 GiB = 1 << 30
 
@@ -367,20 +369,24 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         if k == saves - 1:
             prints = fingerprint(state)
         barrier()
-        with FullCollections() as full:  # (a full pass of Python's collector in the window shows as stall)
+        gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
+        with FullCollections() as full, gil:  # (a full pass of Python's collector in the window shows as stall)
             secs, call, result = window.run(start, before_update)
         low = min(low, gpu_free(device))
         done = durable(result)
         low = min(low, gpu_free(device))
         row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
-        row.saves[-1].update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms)
+        row.saves[-1].update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+                             **(gil.summary() if run.gil_watch else {}))
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
         gc_note = f", full collections in the window {full.ms} ms ({full.engine_ms} on the engine's threads)" \
             if full.runs else ""
+        gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}; {', '.join(gil.summary(3)['gil_where'])})" \
+            if run.gil_watch else ""
         say(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
-            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s{gc_note}")
+            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s{gc_note}{gil_note}")
     return prints
 
 
@@ -412,6 +418,8 @@ class Run:
     optimizers: list
     one_copy: bool = False
     """The disk cannot hold two copies of the state: a step is deleted before the next save."""
+    gil_watch: bool = False
+    """Record each save's waits for the GIL (`--gil-watch`, scripts/gil_watch.py)."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""
@@ -597,7 +605,7 @@ METHODS = {
 # --- one size --------------------------------------------------------------------------------
 def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: float, saves: int,
              window_steps: int, methods: list[str], drop_caches, ceilings: Callable[[int], dict],
-             progress: Callable[[dict], None] = lambda out: None) -> dict:
+             progress: Callable[[dict], None] = lambda out: None, gil_watch: bool = False) -> dict:
     """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
     state, step_fn, optimizers = live.build(int(size_gb * 1e9))
     replicas = len(state)
@@ -627,7 +635,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     one_copy = shutil.disk_usage(root).free < 2.2 * state_bytes * world()
     if one_copy:
         say("#   the disk holds less than two copies of the state: each step is deleted before the next save")
-    run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy)
+    run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch)
     rows = []
     try:
         for k, name in enumerate(methods):

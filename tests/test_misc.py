@@ -600,3 +600,39 @@ def test_the_scale_bench_judges_durable_and_restore_from_the_overlapped_row_run_
     got = scale.targets(out)
     assert got["tiered: durable <= 1.15 x stored / write ceiling"]["met"] is True, "the strict row, where it ran"
     assert "tiered_overlap: durable <= 1.15 x stored / write ceiling" not in got
+
+
+def test_the_bench_finds_where_the_engines_threads_held_the_gil():
+    """scripts/gil_watch.py (`bench.py --scale ... --gil-watch`): a thread that asks for the GIL
+    every millisecond waits while an engine thread holds it in a long C call (a sort), and notes
+    that thread's place; an engine thread parked in a wait, which holds no GIL, is not noted."""
+    import importlib.util
+    import random
+    import threading
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gil_watch.py"
+    spec = importlib.util.spec_from_file_location("gil_watch", path)
+    gil_watch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gil_watch)
+    values = [random.random() for _ in range(1_000_000)]
+
+    def hog() -> None:
+        for _ in range(3):
+            sorted(values)  # one C call each, holding the GIL throughout
+
+    parked = threading.Event()
+    idle = threading.Thread(target=parked.wait, name="tiered-stager")
+    idle.start()
+    try:
+        with gil_watch.GilWaits() as gil:
+            worker = threading.Thread(target=hog, name="tiered-writer")
+            worker.start()
+            worker.join()
+    finally:
+        parked.set()
+        idle.join()
+    got = gil.summary()
+    assert got["gil_late_count"] >= 1 and got["gil_late_ms"] >= got["gil_late_max_ms"] >= gil.long_ms
+    assert any("tiered-writer: " in w and " hog" in w for w in got["gil_where"]), got
+    assert not any("tiered-stager" in w for w in got["gil_where"]), got

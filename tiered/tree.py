@@ -209,7 +209,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
     if isinstance(obj, torch.Size):
         return {"$size": list(obj)}
     if isinstance(obj, list):
-        if all(type(v) is int or type(v) is str for v in obj):  # (an optimizer's parameter ids: one call, not one each)
+        if all(type(v) is int or type(v) is str for v in obj):  # (a param group's ids: one call, not one each)
             return list(obj)
         return [_encode(v, path + (i,), leaves, seen) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
