@@ -585,3 +585,54 @@ def test_a_migrator_keeps_its_read_windows_from_one_step_to_the_next(tmp_path):
         target = {k: torch.zeros_like(v) for k, v in state.items()}
         assert engine.restore(target, step=2) == 2  # from the shared tier: the copy is whole
     assert_same(target, state)
+
+
+def test_recompression_hands_the_pool_runs_of_small_chunks_and_still_names_a_damaged_one(tmp_path, monkeypatch):
+    """none -> zstd of many small tensors: the chunks go to the pool in runs of about
+    RECOMPRESS_GROUP_BYTES (one task each, not one per chunk), come back in order (the copy
+    restores bit-exact), and a damaged chunk inside a run is still reported by its tensor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiered import copy_rank
+    from tiered.format import read_manifest, read_rank_index
+
+    class Counting(ThreadPoolExecutor):
+        tasks = 0
+
+        def submit(self, *args, **kwargs):
+            Counting.tasks += 1
+            return super().submit(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(5000 + i, generator=g) for i in range(60)}  # ~20 KB each: 60 chunks, ~1.2 MB
+    cfg = cluster(tmp_path, "none")
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        engine.save(2, state).wait()
+        nvme, shared = engine.get_tier("nvme"), engine.get_tier("shared")
+        with Counting(2) as pool:
+            migrate_step(1, nvme, shared, codec="zstd", pool=pool)
+        grouped, Counting.tasks = Counting.tasks, 0
+        monkeypatch.setattr(copy_rank, "RECOMPRESS_GROUP_BYTES", 0)  # a task per chunk, as before
+        with Counting(2) as pool:
+            migrate_step(2, nvme, shared, codec="zstd", pool=pool)
+        assert grouped <= 4 < 60 <= Counting.tasks, (grouped, Counting.tasks)
+        for step in (1, 2):
+            assert_same(state, engine.load(step, tier="shared"))
+
+    # A chunk in the middle of a run damaged on the source: the copy fails naming it, and leaves nothing.
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(3, state).wait()
+        nvme, shared = engine.get_tier("nvme"), engine.get_tier("shared")
+        manifest = read_manifest(nvme, 3)
+        index = read_rank_index(nvme, 3, manifest.ranks[0])
+        rec = next(t for t in index.tensors if t.name == "t30")
+        path = tmp_path / "nvme" / "step_000000000003" / manifest.ranks[0].data_file
+        with open(path, "r+b") as f:
+            f.seek(rec.chunks[0].offset + 100)
+            byte = f.read(1)
+            f.seek(rec.chunks[0].offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(tiered.errors.CorruptionError, match="t30"):
+            migrate_step(3, nvme, shared, codec="zstd")
+        assert not shared.has_step(3)

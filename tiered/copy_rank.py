@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -185,9 +185,9 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
     or None: the bytes may be reused once `_Batches.add` returns) for every chunk of `recs`, in order:
     read in windows that cross tensor boundaries, read ahead into `buffers`
     (`tiered.cpu.chunk_windows`); each window's chunks verified and, where the codec changes,
-    decoded and re-encoded on the pool. A window whose chunks are all kept goes out as the bytes
-    read, padding zeroed in place (no copy per chunk, no gathering copy); one that is
-    recompressed, a chunk at a time."""
+    decoded and re-encoded on the pool, in runs of chunks (`RECOMPRESS_GROUP_BYTES`). A window
+    whose chunks are all kept goes out as the bytes read, padding zeroed in place (no copy per
+    chunk, no gathering copy); one that is recompressed, a chunk at a time."""
     spec_of = {rec.index: spec for rec, spec in zip(recs, specs)}
 
     def keep(ref: tuple[TensorRecord, int], data: memoryview, base: int) -> None:
@@ -210,8 +210,12 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         for ref in group:
             keep(ref, data, base)
 
+    def recode(run: list[tuple[tuple[TensorRecord, int], memoryview]]) -> list[tuple[Any, int, int | None]]:
+        return [one(ref, stored) for ref, stored in run]
+
     def results(win: list[tuple[TensorRecord, int]], data: memoryview, futures: list[Future]):
-        return _pool_results(win, futures, progress, release=lambda: buffers.give(data))
+        return _results(win, (got for future in futures for got in future.result()), progress,
+                        release=lambda: buffers.give(data))
 
     # A recompressed window's results are taken one window behind: its chunks are handed to the
     # pool before the previous window's results are waited for, so the pool does not run dry at
@@ -234,8 +238,9 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
             # Verified here, while the pool encodes the window before: this thread would mostly
             # wait for the pool, which then only decodes and encodes (none -> zstd of 2,000
             # tensors on the 2-core CPU machine: the pool's one thread spent 17% of its time
-            # verifying).
-            futures = [pool.submit(one, (rec, j), verified(rec, j, data, base, reader.path)) for rec, j in win]
+            # verifying). Handed over in runs of RECOMPRESS_GROUP_BYTES, one pool task each.
+            futures = [pool.submit(recode, [(ref, verified(*ref, data, base, reader.path)) for ref in group])
+                       for group in _groups(win, RECOMPRESS_GROUP_BYTES)]
             if behind is not None:
                 yield from results(*behind)
             behind = (win, data, futures)
@@ -245,11 +250,18 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
 
 def _pool_results(win: list[tuple[TensorRecord, int]], futures: list[Future], progress: Any,
                   release: Callable[[], None] | None = None):
+    """`_results` of a window whose chunks were encoded on the pool one task each (`futures`:
+    their `_encoded` results, in order)."""
+    return _results(win, (future.result() for future in futures), progress, release)
+
+
+def _results(win: list[tuple[TensorRecord, int]], results: Iterable[tuple[Any, int, int | None]], progress: Any,
+             release: Callable[[], None] | None = None):
     """Yield ([(tensor record, source chunk record, stored size, checksum)], stored bytes, None) for
-    each chunk of a window encoded on the pool (`futures`: its `_encoded` results, in order); then
-    `release` the window's source memory and report its raw bytes to `progress`."""
-    for (rec, j), future in zip(win, futures):
-        stored, size, crc = future.result()
+    each chunk of a window encoded on the pool (`results`: (stored bytes, size, checksum or None),
+    in order, taken as they are iterated); then `release` the window's source memory and report its
+    raw bytes to `progress`."""
+    for (rec, j), (stored, size, crc) in zip(win, results):
         if crc is None:  # (a chunk recompressed on the CPU pool, checksummed here: see `_cpu_chunks`)
             crc = wsum64(stored)
         yield [(rec, rec.chunks[j], size, crc)], stored, None
@@ -289,6 +301,10 @@ def _groups(win: list[tuple[TensorRecord, int]], limit: int) -> list[list[tuple[
     return groups
 
 
+RECOMPRESS_GROUP_BYTES = 1 << 20
+"""Chunks recompressed on the CPU pool go to it in runs of about this many stored bytes, one task
+each: a state of many small tensors (128 KiB chunks) is a pool round trip per run, not per chunk
+(none -> zstd of 2,000 tensors, one pool thread, the 2-core CPU machine: +5 to +16% a pair)."""
 WRITE_BATCH = 16 << 20
 """Bytes of consecutive chunks gathered into one write of the target's data file."""
 
