@@ -269,7 +269,7 @@ def blog_row(state_tensors: list[torch.Tensor], root: Path, raw: int) -> dict:
 
 
 # --- S3 ------------------------------------------------------------------------------------
-def _evict(path: Path) -> None:
+def evict(path: Path) -> None:
     """Drop a file's pages from the page cache (clean pages: no privileges needed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -332,11 +332,11 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str, codec: str) -> dict:
         buffers = WindowBuffers()
         migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None, buffers=buffers)
         data = root / "local" / "step_000000000002" / "rank_00000.data"
-        _evict(data)  # both uploads read the file from the disk, as a migration of a fresh step does
+        evict(data)  # both uploads read the file from the disk, as a migration of a fresh step does
         t0 = time.perf_counter()
         migrate_step(2, engine.get_tier("local"), engine.get_tier("s3"), codec=None, buffers=buffers)
         t_tiered = time.perf_counter() - t0
-    _evict(data)
+    evict(data)
     t0 = time.perf_counter()
     client.upload_file(str(data), "bench", "plain/rank_00000.data",
                        Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
