@@ -156,8 +156,8 @@ def joined_extents(extents: Sequence[bytearray], limit: int) -> Iterator[tuple[i
 
 WINDOW_CHUNKS, WINDOW_BYTES = 256, 64 << 20
 """One read of a data file: up to this many chunks and bytes, lying end to end in it. A window
-of kept chunks is verified on the pool in runs of a few MiB, and one of recompressed chunks a
-chunk per task, so a window of many small chunks is still spread over the pool; at 64 chunks a
+of kept chunks is verified on the pool in runs of a few MiB, and one of recompressed chunks in
+runs of about 1 MiB, so a window of many small chunks is still spread over the pool; at 64 chunks a
 34 MB step of 600 tensors was ten windows of 3.6 MB, each read, verified and written in turn
 (a copy from S3 spent ~50 ms on them after its last GET, on the lent H100 machine)."""
 FIRST_WINDOW_BYTES = 4 << 20
