@@ -305,6 +305,14 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
                  "GPU recompression" if gpu is not None else "CPU recompression")
         threads = (config.zstd.threads or None) if args.full_speed else background_threads()
         buffers = WindowBuffers()  # read windows kept from one step to the next
+        if args.follow:
+            # A daemon's start-up objects (torch's and botocore's modules) never become garbage: kept
+            # out of Python's full collections, as the engine's migrator process keeps its own
+            # (tiered.migration_process). Parsing a step's index set one off every other step in a
+            # process like it: 76-93 ms each (docs/benchmarks.md, session 17).
+            import gc
+
+            gc.freeze()
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiered-codec") as pool:
             while True:
                 try:
