@@ -247,3 +247,35 @@ def test_a_save_writes_its_index_with_no_record_object_per_tensor(tmp_path, monk
         assert all(len(t.chunks) == -(-t.nbytes // (64 << 10)) for t in indexes[0].tensors)
         out = engine.load(1)
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_an_index_is_parsed_with_the_collector_paused(tmp_path):
+    """Parsing an index makes thousands of objects at once; with the collector on they set off
+    collections, and in a process of many objects a full one (76-93 ms every other migration of
+    2,000 tensors: docs/benchmarks.md, session 17). It runs paused, as a save's walk does."""
+    import gc
+
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
+    with tiered.Engine.from_config({"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path),
+                                               "codec": "none"}]}) as engine:
+        engine.save(1, state).wait()
+    raw = next(tmp_path.rglob("rank_00000.index*")).read_bytes()
+    runs: list[int] = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    old = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(50)  # a collection every 50 allocations, where the collector runs
+    try:
+        index = RankIndex.from_json(raw, "idx")
+        paused = len(runs)
+        json.loads(raw)  # the same document's objects, collector on: the count does see collections
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*old)
+    assert len(index.tensors) == 3000 and gc.isenabled()
+    # (at most one, at the pause's edges: its context manager allocates as it is entered and left)
+    assert paused <= 1 and len(runs) - paused > 100, (paused, len(runs))

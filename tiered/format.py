@@ -21,7 +21,7 @@ import torch
 from tiered import checksum
 from tiered.chunks import ALIGNMENT, ChunkRecord, ChunkTable
 from tiered.errors import CorruptionError, FormatError
-from tiered.tree import shares, walk_leaves
+from tiered.tree import collector_paused, shares, walk_leaves
 
 FORMAT_VERSION = 1
 INDEX_VERSIONS = (1, 2)
@@ -177,6 +177,11 @@ class RankIndex:
 
     @classmethod
     def from_json(cls, raw: bytes, source: str) -> "RankIndex":
+        with collector_paused():
+            return cls._from_json(raw, source)
+
+    @classmethod
+    def _from_json(cls, raw: bytes, source: str) -> "RankIndex":
         doc = _load_json(raw, source, "tiered-index", INDEX_VERSIONS)
         v = _Validator(source)
         chunk_size = v.int(doc, "chunk_size", 1, 1 << 30)
