@@ -204,7 +204,7 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
         decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
         out = get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw))
-        return out, len(out), None  # (its checksum: on this thread, `_pool_results`, while the pool encodes on)
+        return out, len(out), None  # (its checksum: on the copying thread, `_results`, while the pool encodes on)
 
     def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> None:
         for ref in group:
@@ -304,7 +304,7 @@ def _groups(win: list[tuple[TensorRecord, int]], limit: int) -> list[list[tuple[
 RECOMPRESS_GROUP_BYTES = 1 << 20
 """Chunks recompressed on the CPU pool go to it in runs of about this many stored bytes, one task
 each: a state of many small tensors (128 KiB chunks) is a pool round trip per run, not per chunk
-(none -> zstd of 2,000 tensors, one pool thread, the 2-core CPU machine: +5 to +16% a pair)."""
+(none -> zstd of 2,000 tensors, one pool thread, the 2-core CPU machine: +6 to +20% a pair)."""
 WRITE_BATCH = 16 << 20
 """Bytes of consecutive chunks gathered into one write of the target's data file."""
 
