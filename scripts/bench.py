@@ -380,17 +380,18 @@ def main() -> int:
 
 def scale_live(args, model, opt, step_fn, kit):
     """The live replica(s) scale mode builds its state from (scripts/scale.py)."""
-    import scale
+    import scale_measure
 
     if args.train == "one":
-        return scale.Live({"model": model.state_dict(), "optim": opt.state_dict()}, step_fn, [opt])
-    return scale.TrainedReplicas(model, opt, kit["make_model"], kit["forward_backward"])
+        return scale_measure.Live({"model": model.state_dict(), "optim": opt.state_dict()}, step_fn, [opt])
+    return scale_measure.TrainedReplicas(model, opt, kit["make_model"], kit["forward_backward"])
 
 
 def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
     """Each size of --scale in turn (scripts/scale.py), then the tables; JSON to --out."""
     import baselines
     import scale
+    import scale_measure
 
     def ceilings(nbytes: int, tensors: list) -> dict:
         out = {"disk": baselines.disk_ceilings(root / "ceiling", max(256 << 20, min(nbytes, 4 << 30)))}
@@ -401,10 +402,10 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
             torch.cuda.empty_cache()  # (its buffers: the engines size their GPU budgets from what is free)
         return out
 
-    lead = scale.rank() == 0  # under torchrun, rank 0 reports for all ranks (scripts/scale.py)
-    scale.show_engine_log()
+    lead = scale_measure.rank() == 0  # under torchrun, rank 0 reports for all ranks (scripts/scale.py)
+    scale_measure.show_engine_log()
     results["scale"] = []
-    results["info"]["ranks"] = scale.world()
+    results["info"]["ranks"] = scale_measure.world()
     for size in (float(x) for x in args.scale.split(",")):
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
@@ -418,7 +419,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
             Path(args.out).write_text(json.dumps(results, indent=1))
         if dev == "cuda":
             torch.cuda.empty_cache()
-    scale.barrier()
+    scale_measure.barrier()
     if lead:
         shutil.rmtree(root, ignore_errors=True)
     exact = [r["restore_bit_exact"] for out in results["scale"] for r in out["rows"] if not r["error"]]

@@ -1,0 +1,374 @@
+"""The scale bench's parts that every method shares: ranks under torchrun, the state, and the
+measuring (a window of training steps around each save, a row of results, the restore check).
+scripts/scale.py says what the scale mode measures; scripts/scale_methods.py runs each method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gc_watch import FullCollections
+from gil_watch import GilWaits
+
+# --- ranks (torchrun) -----------------------------------------------------------------------
+def dist_group() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank() -> int:
+    d = dist_group()
+    return d.get_rank() if d else 0
+
+
+def world() -> int:
+    d = dist_group()
+    return d.get_world_size() if d else 1
+
+
+def barrier() -> None:
+    d = dist_group()
+    if d and d.get_world_size() > 1:
+        d.barrier()
+
+
+def gather(obj: Any) -> list:
+    """`obj` of every rank, on every rank."""
+    d = dist_group()
+    if not d or d.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * d.get_world_size()
+    d.all_gather_object(out, obj)
+    return out
+
+
+def say(msg: str) -> None:
+    """A progress line, marked with the rank under torchrun."""
+    print(msg if world() == 1 else f"[rank {rank()}] {msg}", flush=True)
+
+
+def show_engine_log() -> None:
+    """The engine's own choices (budgets, codec, what it pinned) print beside the progress lines."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"#   tiered log{'' if world() == 1 else f' [rank {rank()}]'}: %(message)s"))
+    logger = logging.getLogger("tiered")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def lockstep(device: str) -> None:
+    """Ranks step together: an all-reduce of one number, as data-parallel training does per step."""
+    d = dist_group()
+    if d and d.get_world_size() > 1:
+        d.all_reduce(torch.ones(1, device=device))
+
+
+# --- the state -------------------------------------------------------------------------------
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tree(v) for v in obj]
+    return obj
+
+
+def build_state(live: dict, target_bytes: int) -> dict:
+    """{"r0": live, "r1": clone, ...}: as many replicas as reach `target_bytes` (at least one)."""
+    one = sum(t.numel() * t.element_size() for t in tensors_of(live))
+    replicas = max(1, round(target_bytes / one))
+    return {f"r{i}": live if i == 0 else clone_tree(live) for i in range(replicas)}
+
+
+def fingerprint(state: dict) -> list[tuple[int, int]]:
+    """Per tensor: the sum of its 32-bit words (or bytes) and of every other word, on its device."""
+    out = []
+    for t in tensors_of(state):
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+        out.append((int(words.sum(dtype=torch.int64)), int(words[1::2].sum(dtype=torch.int64))))
+    return out
+
+
+def zero_(state: dict) -> None:
+    for t in tensors_of(state):
+        t.zero_()
+
+
+class Live:
+    """`--train one`: replica 0 trains; the others are static clones of its tensors."""
+
+    def __init__(self, state: dict, step_fn: Callable[..., Any], optimizers: list):
+        self.state, self.step_fn, self.optimizers = state, step_fn, optimizers
+
+    def build(self, target_bytes: int) -> tuple[dict, Callable[..., Any], list]:
+        return build_state(self.state, target_bytes), self.step_fn, self.optimizers
+
+    def release(self) -> None:
+        pass
+
+
+class TrainedReplicas:
+    """`--train all`: every replica is a model with its own AdamW, copied from the trained ones."""
+
+    def __init__(self, model, opt, make_model: Callable[[], Any], forward_backward: Callable[[Any], Any]):
+        self.model, self.opt, self.make_model, self.forward_backward = model, opt, make_model, forward_backward
+        self._extra: list = []
+
+    def build(self, target_bytes: int) -> tuple[dict, Callable[..., Any], list]:
+        one = sum(t.numel() * t.element_size()
+                  for t in tensors_of({"m": self.model.state_dict(), "o": self.opt.state_dict()}))
+        models, opts = [self.model], [self.opt]
+        for _ in range(max(1, round(target_bytes / one)) - 1):
+            m = self.make_model()
+            m.load_state_dict(self.model.state_dict())
+            o = torch.optim.AdamW(m.parameters())
+            o.load_state_dict(clone_tree(self.opt.state_dict()))  # (loading alone would share the tensors)
+            models.append(m)
+            opts.append(o)
+        self._extra = [models[1:], opts[1:]]
+
+        def step_fn(before_update=None) -> None:
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            for m in models:
+                self.forward_backward(m)
+            if before_update is not None:
+                before_update()
+            for o in opts:
+                o.step()
+
+        state = {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(zip(models, opts))}
+        return state, step_fn, opts
+
+    def release(self) -> None:
+        self._extra = []
+
+
+# --- measuring -------------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpu_free(device: str) -> int:
+    return torch.cuda.mem_get_info()[0] if device == "cuda" else 0
+
+
+def rss() -> int:
+    """The process's resident set (pinned host buffers count once touched)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Window:
+    """Runs `steps` training steps; a save may be started before one of them."""
+
+    def __init__(self, step_fn: Callable[..., Any], device: str, steps: int):
+        self.step_fn, self.device, self.steps = step_fn, device, steps
+        self.last_steps_ms: list[float] = []
+        """The last window's steps, each from its start to the end of its lockstep, then the wait
+        for the GPU to finish (ms): which steps a save slows, the one it overlaps or later ones,
+        and whether it slows the host (launching) or the GPU."""
+
+    def run(self, save: Callable[[], Any] | None = None,
+            before_update: Callable[[Any], Any] | None = None) -> tuple[float, float, Any]:
+        """(window seconds, save call seconds, what `save` returned). The save starts the window;
+        `before_update(result)`, if given, runs before the first step's optimizer update."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        call, result, hook = 0.0, None, None
+        if save is not None:
+            result = save()
+            call = time.perf_counter() - t0
+            if before_update is not None:
+                hook = lambda r=result: before_update(r)  # noqa: E731
+        marks = [time.perf_counter()]
+        for _ in range(self.steps):
+            self.step_fn(before_update=hook)
+            lockstep(self.device)
+            hook = None
+            marks.append(time.perf_counter())
+        sync(self.device)
+        self.last_steps_ms = [round(1e3 * (b - a), 1) for a, b in zip(marks, marks[1:])]
+        self.last_steps_ms.append(round(1e3 * (time.perf_counter() - marks[-1]), 1))  # the GPU's backlog
+        return time.perf_counter() - t0, call, result
+
+    def baseline(self, n: int = 3) -> float:
+        return statistics.median(self.run()[0] for _ in range(n))
+
+
+class Row:
+    """What one method measured, summarised like the rest of docs/benchmarks.md."""
+
+    def __init__(self, name: str, note: str = ""):
+        self.name, self.note = name, note
+        self.saves: list[dict] = []
+        self.gpu_taken = self.host_taken = 0
+        self.stored = 0
+        self.restore_s: float | None = None
+        self.exact: bool | None = None
+        self.error: str | None = None
+        self.extra: dict = {}
+
+    def add(self, base: float, window: float, call: float, durable: float, gpu_min_free: int, gpu_free0: int,
+            rss_now: int, rss0: int) -> None:
+        self.saves.append({"stall_ms": round(1e3 * (window - base), 1), "call_ms": round(1e3 * call, 1),
+                           "durable_s": round(durable, 2)})
+        self.gpu_taken = max(self.gpu_taken, gpu_free0 - gpu_min_free)
+        self.host_taken = max(self.host_taken, rss_now - rss0)
+
+    def summary(self) -> dict:
+        warm = self.saves[1:] or self.saves
+
+        def stats(key: str, saves: list[dict] = warm) -> dict | None:
+            vals = [s[key] for s in saves]
+            return None if not vals else {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
+
+        # Saves from the third on, apart: the second save of a run has stalled more than later ones
+        # at 24 GB (GPU runs 165-166: 453-885 ms against 107-524), with codec: auto's measurement
+        # beside it and, less, without; the warm median the targets use still counts it.
+        return {"name": self.name, "note": self.note, "error": self.error, "saves": self.saves,
+                "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
+                "later_stall_ms": stats("stall_ms", self.saves[2:]),
+                "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"), "stored_bytes": self.stored,
+                "gpu_taken_bytes": self.gpu_taken, "host_taken_bytes": self.host_taken,
+                "restore_s": self.restore_s, "restore_bit_exact": self.exact, **self.extra}
+
+
+def combine(rows: list[dict]) -> dict:
+    """One row for all ranks (`Row.summary()` of each): every save's slowest rank, the GPU memory of
+    the rank that took most, the host memory of all; stored bytes of all where each rank wrote its
+    own file (else every rank reports the step's); the slowest restore, bit-exact on every rank."""
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    row = Row(first["name"], first["note"])
+    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(rows) if r["error"]]
+    row.error = "; ".join(errors) or None
+    n = min(len(r["saves"]) for r in rows)
+    row.saves = [{k: max(r["saves"][j][k] for r in rows) for k in first["saves"][j]} for j in range(n)]
+    row.gpu_taken = max(r["gpu_taken_bytes"] for r in rows)
+    row.host_taken = sum(r["host_taken_bytes"] for r in rows)
+    row.stored = sum(r["stored_bytes"] for r in rows) if first.get("stored_per_rank") else first["stored_bytes"]
+    restores = [r["restore_s"] for r in rows]
+    row.restore_s = None if None in restores else max(restores)
+    exact = [r["restore_bit_exact"] for r in rows]
+    row.exact = None if None in exact else all(exact)
+    known = set(Row("", "").summary())
+    row.extra = {k: v for k, v in first.items() if k not in known}
+    return row.summary()
+
+
+def done_at(fut: Any) -> list[float]:
+    """A one-element list that receives the time `fut` completes (a concurrent or torch future)."""
+    box: list[float] = []
+    fut.add_done_callback(lambda _: box.append(time.perf_counter()))
+    return box
+
+
+def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durable: Callable[[Any], float],
+            drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None,
+            gpu_free0: int | None = None) -> list[tuple[int, int]]:
+    """`saves` windows, one save each, at the window's start: stall, call, durable (`durable(result)`
+    waits for it and returns when it completed), memory. `drop(step)` deletes an older step once
+    the next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
+    no method's stall should carry), so one copy at a time is kept on the disk; where the disk
+    cannot hold two (`run.one_copy`), before the next save starts. Returns the
+    fingerprint of the state the last save was handed (taken just before its window: training
+    then changes the state while the save runs, so a restore that matches it shows the snapshot held).
+    `gpu_free0`: the free GPU memory the row's "GPU taken" counts down from (default: now)."""
+    state, window, saves, device = run.state, run.window, run.saves, run.device
+    free0, rss0 = gpu_free(device) if gpu_free0 is None else gpu_free0, rss()
+    low = gpu_free(device)
+    for k in range(saves):
+        if k and run.one_copy:
+            barrier()
+            drop(k)
+        t_call = [0.0]
+
+        def start(k=k):
+            t_call[0] = time.perf_counter()
+            return save(k + 1)
+
+        if k == saves - 1:
+            prints = fingerprint(state)
+        barrier()
+        gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
+        with FullCollections() as full, gil:  # (a full pass of Python's collector in the window shows as stall)
+            secs, call, result = window.run(start, before_update)
+        low = min(low, gpu_free(device))
+        done = durable(result)
+        low = min(low, gpu_free(device))
+        row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
+        row.saves[-1].update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+                             **(gil.summary() if run.gil_watch else {}))
+        if k and not run.one_copy:
+            barrier()  # every rank's save k + 1 is durable before save k goes
+            drop(k)
+        gc_note = f", full collections in the window {full.ms} ms ({full.engine_ms} on the engine's threads)" \
+            if full.runs else ""
+        where = ", ".join(gil.summary(3)["gil_where"]) if run.gil_watch else ""
+        gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}{'; ' + where if where else ''})" \
+            if run.gil_watch else ""
+        say(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
+            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s{gc_note}{gil_note}")
+    return prints
+
+
+def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches: Callable[[], bool],
+                  load: Callable[[], None]) -> None:
+    zero_(state)
+    drop_caches()
+    sync(device)
+    barrier()
+    t0 = time.perf_counter()
+    load()
+    sync(device)
+    row.restore_s = round(time.perf_counter() - t0, 2)
+    row.exact = fingerprint(state) == prints
+
+
+@dataclass
+class Run:
+    """What every method of one size gets. `save(n)` and `drop(n)` of a method take the save's
+    number, 1.. (see measure)."""
+
+    state: dict
+    window: Window
+    saves: int
+    root: Path
+    device: str
+    drop_caches: Callable[[], bool]
+    optimizers: list
+    one_copy: bool = False
+    """The disk cannot hold two copies of the state: a step is deleted before the next save."""
+    gil_watch: bool = False
+    """Record each save's waits for the GIL (`--gil-watch`, scripts/gil_watch.py)."""
+    shared: dict = field(default_factory=dict)
+    """The tiered engine of this size, made once for both tiered rows (pinning its host memory
+    takes seconds, as it does once per training job), and what making it took."""
