@@ -49,15 +49,14 @@ class Guarded:
     Made per save, from the optimizers as they are then."""
 
     def __init__(self, optimizers: Iterable[Any]):
-        plain = PLAIN_TENSORS
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
         state = [v for opt in optimizers for st in opt.state.values() for v in st.values()
-                 if type(v) in plain or isinstance(v, torch.Tensor)]
+                 if isinstance(v, torch.Tensor)]
         self._held = params + state
         """(Holding them keeps each id below that object's while this lives.)"""
         self._ids = set(map(id, self._held))
-        self._keys = {(p.get_device(), p.data_ptr()) if type(p) in plain else storage_key(p) for p in params}
-        self._keys.update([storage_key(t) for t in state if type(t) not in plain])
+        self._keys = {storage_key(p) for p in params}
+        self._keys.update([storage_key(t) for t in state if type(t) not in PLAIN_TENSORS])
 
     def __contains__(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids or storage_key(t) in self._keys
