@@ -541,19 +541,32 @@ def test_the_writer_reads_queued_waves_sizes_only_while_the_copy_engine_is_idle(
                                                                          False], "up to the first not compressed"
 
 
+def _script(name: str):
+    """scripts/NAME.py as a module, loaded with the scripts' folder on sys.path (they import one
+    another) and, while it loads, in sys.modules (its dataclasses look their module up there)."""
+    import importlib.util
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", scripts / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(scripts))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(scripts))
+        sys.modules.pop(spec.name, None)
+    return module
+
+
 def test_the_bench_counts_full_collections_by_thread():
     """scripts/gc_watch.py (the scale bench's per-save record): full collections inside the block,
     all threads and the engine's (named tiered-*); younger generations and collections outside
     the block are not counted."""
     import gc
-    import importlib.util
     import threading
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gc_watch.py"
-    spec = importlib.util.spec_from_file_location("gc_watch", path)
-    gc_watch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc_watch)
+    gc_watch = _script("gc_watch")
     gc.collect()
     with gc_watch.FullCollections() as full:
         gc.collect(0)
@@ -571,19 +584,7 @@ def test_the_bench_counts_full_collections_by_thread():
 def test_the_scale_bench_judges_durable_and_restore_from_the_overlapped_row_run_alone():
     """`bench.py --scale --methods tiered_overlap` runs no strict row: the durable and restore
     targets come from the overlapped one (they used to be left out)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = importlib.util.spec_from_file_location("scale_bench", scripts / "scale.py")
-        scale = sys.modules["scale_bench"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
-        spec.loader.exec_module(scale)
-    finally:
-        sys.path.remove(str(scripts))
-        sys.modules.pop("scale_bench", None)
+    scale = _script("scale")
 
     def row(name, stall, durable, restore):
         return {"name": name, "error": None, "warm_stall_ms": {"median": stall}, "first": {"stall_ms": stall},
@@ -606,15 +607,10 @@ def test_the_bench_finds_where_the_engines_threads_held_the_gil():
     """scripts/gil_watch.py (`bench.py --scale ... --gil-watch`): a thread that asks for the GIL
     every millisecond waits while an engine thread holds it in a long C call (a sort), and notes
     that thread's place; an engine thread parked in a wait, which holds no GIL, is not noted."""
-    import importlib.util
     import random
     import threading
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gil_watch.py"
-    spec = importlib.util.spec_from_file_location("gil_watch", path)
-    gil_watch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gil_watch)
+    gil_watch = _script("gil_watch")
     values = [random.random() for _ in range(1_000_000)]
 
     def hog() -> None:
