@@ -287,6 +287,9 @@ def main() -> int:
     ap.add_argument("--gil-watch", action="store_true",
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                          "and where the engine's threads were then (scripts/gil_watch.py; it costs a little GIL)")
+    ap.add_argument("--trace", nargs="?", const="summary", default=None, metavar="PREFIX",
+                    help="scale mode: profile the last save's window of each row (scripts/gpu_timeline.py) and "
+                         "print where its steps' GPU time went; with PREFIX, also write PREFIX-ROW.json traces")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per training step (default 16 GPU, 8 CPU; 256 tokens each on the GPU): larger "
                          "makes a step GPU-bound rather than bound by launching its kernels")
@@ -409,7 +412,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
     for size in (float(x) for x in args.scale.split(",")):
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
-                             drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch,
+                             drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch, trace=args.trace,
                              progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
         results["scale"].append(out)

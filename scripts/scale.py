@@ -66,7 +66,8 @@ GiB = 1 << 30
 # --- one size --------------------------------------------------------------------------------
 def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: float, saves: int,
              window_steps: int, methods: list[str], drop_caches, ceilings: Callable[[int], dict],
-             progress: Callable[[dict], None] = lambda out: None, gil_watch: bool = False) -> dict:
+             progress: Callable[[dict], None] = lambda out: None, gil_watch: bool = False,
+             trace: str | None = None) -> dict:
     """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
     state, step_fn, optimizers = live.build(int(size_gb * 1e9))
     replicas = len(state)
@@ -96,7 +97,8 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     one_copy = shutil.disk_usage(root).free < 2.2 * state_bytes * world()
     if one_copy:
         say("#   the disk holds less than two copies of the state: each step is deleted before the next save")
-    run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch)
+    run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch,
+              trace=trace)
     rows = []
     try:
         for k, name in enumerate(methods):

@@ -6,6 +6,7 @@ scripts/scale.py says what the scale mode measures; scripts/scale_methods.py run
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import torch
 
 from gc_watch import FullCollections
 from gil_watch import GilWaits
+from gpu_timeline import SAVE_MARK, STEP_MARK, Timeline
 
 # --- ranks (torchrun) -----------------------------------------------------------------------
 def dist_group() -> Any:
@@ -203,14 +205,16 @@ class Window:
         t0 = time.perf_counter()
         call, result, hook = 0.0, None, None
         if save is not None:
-            result = save()
+            with torch.profiler.record_function(SAVE_MARK):  # (marks for --trace; near free untraced)
+                result = save()
             call = time.perf_counter() - t0
             if before_update is not None:
                 hook = lambda r=result: before_update(r)  # noqa: E731
         marks = [time.perf_counter()]
-        for _ in range(self.steps):
-            self.step_fn(before_update=hook)
-            lockstep(self.device)
+        for i in range(self.steps):
+            with torch.profiler.record_function(f"{STEP_MARK}{i + 1}"):
+                self.step_fn(before_update=hook)
+                lockstep(self.device)
             hook = None
             marks.append(time.perf_counter())
         sync(self.device)
@@ -294,15 +298,17 @@ def done_at(fut: Any) -> list[float]:
 def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durable: Callable[[Any], float],
             drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None,
             gpu_free0: int | None = None) -> list[tuple[int, int]]:
-    """`saves` windows, one save each, at the window's start: stall, call, durable (`durable(result)`
-    waits for it and returns when it completed), memory. `drop(step)` deletes an older step once
-    the next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
+    """`run.saves` windows, one save each (and, with `run.trace`, one more, traced, kept apart in
+    the row's "traced_save"), at the window's start: stall, call, durable (`durable(result)` waits
+    for it and returns when it completed), memory. `drop(step)` deletes an older step once the
+    next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
     no method's stall should carry), so one copy at a time is kept on the disk; where the disk
     cannot hold two (`run.one_copy`), before the next save starts. Returns the
     fingerprint of the state the last save was handed (taken just before its window: training
     then changes the state while the save runs, so a restore that matches it shows the snapshot held).
     `gpu_free0`: the free GPU memory the row's "GPU taken" counts down from (default: now)."""
-    state, window, saves, device = run.state, run.window, run.saves, run.device
+    state, window, device = run.state, run.window, run.device
+    saves = run.windows
     free0, rss0 = gpu_free(device) if gpu_free0 is None else gpu_free0, rss()
     low = gpu_free(device)
     for k in range(saves):
@@ -319,14 +325,22 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             prints = fingerprint(state)
         barrier()
         gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
-        with FullCollections() as full, gil:  # (a full pass of Python's collector in the window shows as stall)
+        traced = run.trace and k == saves - 1
+        tl = Timeline(device, keep=f"{run.trace}-{row.name}.json" if run.trace != "summary" else None) \
+            if traced else contextlib.nullcontext()
+        with FullCollections() as full, gil, tl:  # (a full pass of Python's collector in the window shows as stall)
             secs, call, result = window.run(start, before_update)
         low = min(low, gpu_free(device))
         done = durable(result)
         low = min(low, gpu_free(device))
-        row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
-        row.saves[-1].update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
-                             **(gil.summary() if run.gil_watch else {}))
+        if traced:  # the profiler's cost is in this window: not one of the row's saves
+            rec = row.extra["traced_save"] = {"stall_ms": round(1e3 * (secs - base), 1),
+                                              "call_ms": round(1e3 * call, 1), "timeline": tl.summary}
+        else:
+            row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
+            rec = row.saves[-1]
+        rec.update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+                   **(gil.summary() if run.gil_watch else {}))
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
@@ -335,8 +349,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         where = ", ".join(gil.summary(3)["gil_where"]) if run.gil_watch else ""
         gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}{'; ' + where if where else ''})" \
             if run.gil_watch else ""
-        say(f"#   {row.name} save {k + 1}: stall {row.saves[-1]['stall_ms']} ms (call "
-            f"{row.saves[-1]['call_ms']} ms), durable {row.saves[-1]['durable_s']} s{gc_note}{gil_note}")
+        say(f"#   {row.name} save {k + 1}{' (traced, not counted)' if traced else ''}: stall {rec['stall_ms']} ms "
+            f"(call {rec['call_ms']} ms), durable {round(done - t_call[0], 2)} s{gc_note}{gil_note}")
+        if traced:
+            say(f"#   {row.name} save {k + 1}'s timeline: {json.dumps(tl.summary)}")
     return prints
 
 
@@ -369,6 +385,14 @@ class Run:
     """The disk cannot hold two copies of the state: a step is deleted before the next save."""
     gil_watch: bool = False
     """Record each save's waits for the GIL (`--gil-watch`, scripts/gil_watch.py)."""
+    trace: str | None = None
+    """Trace one more save's window after the measured ones (`--trace`, scripts/gpu_timeline.py):
+    "summary" keeps its summary in the row, a path prefix also writes each row's chrome trace there."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""
+
+    @property
+    def windows(self) -> int:
+        """Saves made, the last one's number: a traced save comes after the measured ones."""
+        return self.saves + (1 if self.trace else 0)

@@ -64,14 +64,14 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
     row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
     row.extra["pin_s"] = run.shared["pin_s"]
     row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
-    timings = [h.timings for step, (h, _) in sorted(handles.items())]
+    timings = [h.timings for step, (h, _) in sorted(handles.items())][:run.saves]  # (not a traced save's)
     warm = timings[1:]
     row.extra["save_timings_ms"] = {k: round(statistics.median(t.get(k, 0.0) for t in warm), 1)
                                     for k in (warm[0] if warm else {})}
     row.extra["first_save_timings_ms"] = {k: round(v, 1) for k, v in timings[0].items()} if timings else {}
     say(f"#   {row.name} save() phases, warm median ms: {row.extra['save_timings_ms']}")
     say(f"#   {row.name} save() phases, first save ms: {row.extra['first_save_timings_ms']}")
-    last = first_step + run.saves
+    last = first_step + run.windows
     row.stored = engine.read_index(last)[0].stored_bytes
     restore_check(row, run.state, prints, run.device, run.drop_caches, lambda: engine.restore(run.state, step=last))
     barrier()
@@ -131,7 +131,7 @@ def _dcp_row(row: Row, run: Run, base: float, stager: Any) -> None:
     prints = measure(row, run, base, save, durable,
                      lambda n: rank() == 0 and shutil.rmtree(root / str(n), ignore_errors=True),
                      staged if stager is not None else None)
-    last = root / str(run.saves)
+    last = root / str(run.windows)
     barrier()
     row.stored = dir_bytes(last)
     restore_check(row, run.state, prints, device, run.drop_caches, lambda: dcp.load(run.state, checkpoint_id=str(last)))
@@ -170,7 +170,7 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
 
     prints = measure(row, run, base, save, lambda done: done,
                      lambda n: (root / f"{n}.rank{rank()}.pt").unlink(missing_ok=True))
-    path = root / f"{run.saves}.rank{rank()}.pt"
+    path = root / f"{run.windows}.rank{rank()}.pt"
     row.stored = path.stat().st_size
     row.extra["stored_per_rank"] = True  # each rank its own file
 

@@ -632,3 +632,48 @@ def test_the_bench_finds_where_the_engines_threads_held_the_gil():
     assert got["gil_late_count"] >= 1 and got["gil_late_ms"] >= got["gil_late_max_ms"] >= gil.long_ms
     assert any("tiered-writer: " in w and " hog" in w for w in got["gil_where"]), got
     assert not any("tiered-stager" in w for w in got["gil_where"]), got
+
+
+def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves_work():
+    """scripts/gpu_timeline.py (`bench.py --scale ... --trace`): the busiest stream is training's,
+    each of its operations in the step that launched it (by correlation id), giving each step's
+    busy and idle time; other streams are the save's; a CPU trace of a real window carries the marks."""
+    tl = _script("gpu_timeline")
+
+    def x(cat, name, ts, dur, tid=1, **args):  # (ts and dur below in units of 10 µs)
+        return {"ph": "X", "cat": cat, "name": name, "ts": 10 * ts, "dur": 10 * dur, "tid": tid, "pid": 1,
+                "args": args}
+
+    trace = {"traceEvents": [
+        x("user_annotation", "bench.save", 1000, 50),
+        x("user_annotation", "bench.step1", 1050, 2000),
+        x("user_annotation", "Optimizer.step#AdamW.step", 1500, 900),
+        x("user_annotation", "bench.step2", 3050, 1000),
+        x("cuda_runtime", "cudaLaunchKernel", 1100, 5, correlation=1),
+        x("cuda_runtime", "cudaLaunchKernel", 1200, 5, correlation=2),
+        x("cuda_runtime", "cudaLaunchKernel", 3100, 5, correlation=3),
+        x("cuda_driver", "cuLaunchKernel", 1060, 5, tid=2, correlation=4),
+        x("cuda_runtime", "cudaMemcpyAsync", 1070, 5, tid=2, correlation=5),
+        x("kernel", "fwd", 1200, 300, stream=7, correlation=1),  # step 1: 300 + 200 busy over a 900 span
+        x("kernel", "bwd", 1900, 200, stream=7, correlation=2),
+        x("kernel", "fwd", 3200, 400, stream=7, correlation=3),
+        x("kernel", "ans_encode", 1300, 400, stream=9, correlation=4),  # 200 of it beside "fwd"
+        x("gpu_memcpy", "Memcpy DtoH", 1800, 100, stream=10, correlation=5, bytes=2_000_000_000),
+    ]}
+    got = tl.summarize(trace)
+    assert got["train_stream"] == 7
+    assert got["steps"][0] == {"cpu": [0.5, 20.5], "gpu": [2.0, 11.0], "busy_ms": 5.0, "idle_ms": 4.0}
+    assert got["steps"][1]["busy_ms"] == 4.0 and got["steps"][1]["idle_ms"] == 0.0
+    assert got["save"]["stream 9 kernel"] == {"n": 1, "busy_ms": 4.0, "from_ms": 3.0, "to_ms": 7.0}
+    assert got["save"]["stream 10 gpu_memcpy"]["gb"] == 2.0
+    assert got["kernels_at_once_ms"] == 2.0
+    assert got["first_optimizer_step"] == [5.0, 9.0]
+    assert tl.union_ms([(0, 2), (1, 3), (5, 6)]) == 4
+
+    with tl.Timeline("cpu") as real:
+        with torch.profiler.record_function(tl.SAVE_MARK):
+            torch.ones(8).sum()
+        for i in (1, 2):
+            with torch.profiler.record_function(f"{tl.STEP_MARK}{i}"):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+    assert len(real.summary["steps"]) == 2 and real.summary["steps"][0]["cpu"][0] >= 0
