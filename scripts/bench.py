@@ -288,8 +288,10 @@ def main() -> int:
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                          "and where the engine's threads were then (scripts/gil_watch.py; it costs a little GIL)")
     ap.add_argument("--trace", nargs="?", const="summary", default=None, metavar="PREFIX",
-                    help="scale mode: profile the last save's window of each row (scripts/gpu_timeline.py) and "
-                         "print where its steps' GPU time went; with PREFIX, also write PREFIX-ROW.json traces")
+                    help="scale mode: one more save per row, after the measured ones, its window profiled "
+                         "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "
+                         "PREFIX-ROW.json traces. The profiler takes GPU memory of its own (its window ran out of "
+                         "it once at 24 GB with 6 GiB free; the row keeps its measured saves then)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per training step (default 16 GPU, 8 CPU; 256 tokens each on the GPU): larger "
                          "makes a step GPU-bound rather than bound by launching its kernels")

@@ -315,11 +315,12 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         if k and run.one_copy:
             barrier()
             drop(k)
-        t_call = [0.0]
+        t_call, started = [0.0], []
 
         def start(k=k):
             t_call[0] = time.perf_counter()
-            return save(k + 1)
+            started.append(save(k + 1))
+            return started[-1]
 
         if k == saves - 1:
             prints = fingerprint(state)
@@ -328,18 +329,31 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         traced = run.trace and k == saves - 1
         tl = Timeline(device, keep=f"{run.trace}-{row.name}.json" if run.trace != "summary" else None) \
             if traced else contextlib.nullcontext()
+        oom = None
         with FullCollections() as full, gil, tl:  # (a full pass of Python's collector in the window shows as stall)
-            secs, call, result = window.run(start, before_update)
+            try:
+                secs, call, result = window.run(start, before_update)
+            except torch.OutOfMemoryError as exc:
+                # The profiler's own GPU memory (CUPTI's buffers) took training's last headroom once
+                # (GPU run 219: 24 GB, 6 GiB free). The traced save is extra: the row keeps its
+                # measured saves and restores this one, started before the failure (one rank only:
+                # under torchrun the ranks' collectives would part ways).
+                if not (traced and started and world() == 1):
+                    raise
+                oom, secs, call, result = f"{type(exc).__name__}: {exc}"[:200], 0.0, 0.0, started[0]
+        if oom:
+            torch.cuda.empty_cache()
         low = min(low, gpu_free(device))
         done = durable(result)
         low = min(low, gpu_free(device))
         if traced:  # the profiler's cost is in this window: not one of the row's saves
-            rec = row.extra["traced_save"] = {"stall_ms": round(1e3 * (secs - base), 1),
-                                              "call_ms": round(1e3 * call, 1), "timeline": tl.summary}
+            rec = row.extra["traced_save"] = {"stall_ms": None if oom else round(1e3 * (secs - base), 1),
+                                              "call_ms": None if oom else round(1e3 * call, 1),
+                                              "timeline": tl.summary, **({"error": oom} if oom else {})}
         else:
             row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
             rec = row.saves[-1]
-        rec.update(steps_ms=window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+        rec.update(steps_ms=None if oom else window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
                    **(gil.summary() if run.gil_watch else {}))
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
@@ -352,7 +366,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         say(f"#   {row.name} save {k + 1}{' (traced, not counted)' if traced else ''}: stall {rec['stall_ms']} ms "
             f"(call {rec['call_ms']} ms), durable {round(done - t_call[0], 2)} s{gc_note}{gil_note}")
         if traced:
-            say(f"#   {row.name} save {k + 1}'s timeline: {json.dumps(tl.summary)}")
+            say(f"#   {row.name} save {k + 1}'s timeline{' (its window failed: ' + oom + ')' if oom else ''}: "
+                f"{json.dumps(tl.summary)}")
     return prints
 
 

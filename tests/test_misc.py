@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -677,3 +678,34 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
             with torch.profiler.record_function(f"{tl.STEP_MARK}{i}"):
                 torch.ones(64, 64) @ torch.ones(64, 64)
     assert len(real.summary["steps"]) == 2 and real.summary["steps"][0]["cpu"][0] >= 0
+
+
+def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
+    """`--trace`: the profiler's GPU memory once left training none (GPU run 219). Training
+    running out of memory in the traced window, which comes after the measured ones, leaves the
+    row its measured saves, notes the error, and still hands back the traced save's step (started
+    before the failure) for the restore; out of memory in a measured window still fails the row."""
+    sm = _script("scale_measure")
+    traced_now = [False]
+
+    def step_fn(before_update=None):
+        if traced_now[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB (test)")
+
+    def save(n):
+        traced_now[0] = n == 3
+        return n
+
+    durable_of = []
+    run = sm.Run({"w": torch.ones(4)}, sm.Window(step_fn, "cpu", 2), 2, tmp_path, "cpu", lambda: False, [],
+                 trace="summary")
+    row = sm.Row("tiered")
+    sm.measure(row, run, 0.0, save, lambda step: durable_of.append(step) or time.perf_counter(), lambda n: None)
+    assert len(row.saves) == 2 and all(s["stall_ms"] is not None for s in row.saves)
+    traced = row.extra["traced_save"]
+    assert traced["error"].startswith("OutOfMemoryError") and traced["stall_ms"] is None, traced
+    assert durable_of == [1, 2, 3] and run.windows == 3
+
+    save_one = lambda n: (traced_now.__setitem__(0, True), n)[1]  # noqa: E731 - out of memory in save 1's window
+    with pytest.raises(torch.OutOfMemoryError):
+        sm.measure(sm.Row("tiered"), run, 0.0, save_one, lambda step: time.perf_counter(), lambda n: None)
