@@ -10,7 +10,10 @@ a library's binding, a long copy) keeps it until the call returns. This watcher 
 every `period` (a thread that sleeps and wakes) and records each wake-up `long_ms` or more late:
 the GIL was held by another thread, or no core was free. At each, it notes where every engine
 thread (named ``tiered-*``) was that is not parked in a wait that releases the GIL: the one that
-just let go of it is among them, at or just after the call that held it.
+just let go of it is among them, at or just after the call that held it. So are threads inside a
+C call that releases the GIL but is not a wait by name: on a GPU host (run 215) most places noted
+were `tiered-write_N` threads in `_pwrite_all`, writing to the disk; read the places as where
+to look, not as the holder.
 
 scripts/scale.py records it per save with ``bench.py --scale ... --gil-watch``: it costs a wake-up
 and a few microseconds of the GIL per `period`, so it is off by default.
