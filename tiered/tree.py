@@ -114,23 +114,9 @@ def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
     stored once and loads as one tensor in both places. Views that overlap otherwise (another
     offset, shape or stride) stay separate leaves."""
     leaves: list[Leaf] = []
-    skeleton = _encode(state, (), leaves)
-    if share and _may_share(leaves):  # (rare: walked again, comparing views)
-        leaves = []
-        skeleton = _encode(state, (), leaves, {})
+    skeleton = _encode(state, (), leaves, {} if share else None)
     _kept.trim(len(leaves))
     return skeleton, leaves
-
-
-def _may_share(leaves: list[Leaf]) -> bool:
-    """Two leaves start at one address (empty tensors aside): they may be one view twice. A walk
-    that looks each address up as it goes took a fifth to a quarter of `flatten`'s time on 10,360
-    tensors with none shared (scripts/call_probe.py's state); this takes the addresses in one
-    pass and compares them in a set, and only a state with a shared address is walked again to
-    compare the views (`_tensor_leaf`)."""
-    addrs = [leaf[1].data_ptr() for leaf in leaves]
-    addrs = [a for a in addrs if a]
-    return len(set(addrs)) != len(addrs)
 
 
 def shares(skeleton: Any) -> bool:
@@ -163,8 +149,7 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
     if cls is dict or cls is OrderedDict or isinstance(obj, dict):
         items = []
         append = items.append
-        pairs, kept_ids, refs = _kept.pairs, _kept.ids, _kept.refs
-        strided, new_leaf = torch.strided, _new_leaf
+        pairs, kept_ids = _kept.pairs, _kept.ids
         whole = True  # (every pair kept: the node may be)
         for k, v in obj.items():
             if type(k) is str or type(k) is int:  # (an optimizer's state is keyed by int)
@@ -174,14 +159,8 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
                 whole = False
             else:
                 raise StateDictError(f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} is not supported")
-            if type(v) not in PLAIN_TENSORS:
-                node = _encode(v, path + (k,), leaves, seen)
-            elif seen is None and v.layout is strided and not (v.is_quantized or v.is_nested or v.requires_grad):
-                n = len(leaves)  # (`_tensor_leaf`'s common case, inline: a state's tensors are mostly here)
-                leaves.append(new_leaf(Leaf, (path + (k,), v, False)))
-                node = refs[n] if n < len(refs) else _kept.ref(n)
-            else:
-                node = _tensor_leaf(v, path + (k,), leaves, seen)
+            node = _tensor_leaf(v, path + (k,), leaves, seen) if type(v) in PLAIN_TENSORS \
+                else _encode(v, path + (k,), leaves, seen)
             if whole:
                 key = (k_enc, id(node))
                 pair = pairs.get(key)
