@@ -63,7 +63,8 @@ def test_fused_padding_packing_and_checksum_match_the_cpu_definition(stride):
     """The drain's Triton kernel. In place: each row's chunk is kept, its padding up to the 4 KiB
     extent zeroed, the bytes past the extent left alone. Packed: each extent lands, padding
     zeroed, at its offset of the staging buffer, the rows unchanged. Both give each row's wsum64
-    as the CPU computes it (wrapping mod 2**64 on the 1 MiB rows)."""
+    as the CPU computes it (wrapping mod 2**64 on the 1 MiB rows), from parts taken over slices of
+    each row: rows of one 4 KiB extent leave most slices empty, the 1 MiB rows fill all of them."""
     from tiered import gpu_checksum
 
     assert gpu_checksum.available()
@@ -78,7 +79,12 @@ def test_fused_padding_packing_and_checksum_match_the_cpu_definition(stride):
     sums = torch.empty(len(sizes), dtype=torch.int64, device="cuda")
     offsets = np.cumsum([0] + extents[:-1])
     dst = torch.full((sum(extents) + 4096,), 7, dtype=torch.uint8, device="cuda")
-    gpu_checksum.pack_and_checksum(rows, sizes_t, sums, dst, torch.tensor(offsets // 4, device="cuda"), 2, len(sizes))
+    parts = gpu_checksum.partials(len(sizes), rows.device)
+    parts[:2] = 0  # (rows 0 and 1 are not packed: their parts are not written)
+    words = torch.tensor(offsets // 4, device="cuda")
+    gpu_checksum.pack_and_checksum(rows, sizes_t, parts, dst, words, 2, 6)  # two runs of rows, as a drain packs
+    gpu_checksum.pack_and_checksum(rows, sizes_t, parts, dst, words, 6, len(sizes))
+    gpu_checksum.sum_partials(parts, sums)
     packed, after = dst.cpu().numpy(), rows.cpu().numpy()
     assert (after == before).all(), "packing changed the rows"
     assert (packed[:offsets[2]] == 7).all() and (packed[sum(extents):] == 7).all(), "wrote outside its rows' extents"

@@ -439,18 +439,22 @@ class GpuDevice:
             try:
                 self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
                 io, dev = self._wave_io(sizes, offsets // 4)
-                if not fused:
+                if fused:
+                    parts = gpu_checksum.partials(len(sizes), self.device)
+                else:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
                 for i, k, total in bounds:
                     buf = staging[:total]
                     if fused:
-                        gpu_checksum.pack_and_checksum(seg.rows, dev[0], dev[1], staging, dev[2], i, k)
+                        gpu_checksum.pack_and_checksum(seg.rows, dev[0], parts, staging, dev[2], i, k)
                     else:
                         _gather_rows(seg, i, k, extents, buf)
                     page = acquire(host.ring, host.pages(total))
                     dst = host.view(page, total)
                     runs.append((i, k, dst, lambda p=page: host.ring.release(p)))
                     dst.copy_(buf, non_blocking=True)
+                if fused:
+                    gpu_checksum.sum_partials(parts, dev[1])
                 io[1].copy_(dev[1], non_blocking=True)
             except BaseException:
                 self.writer_stream.synchronize()  # nothing issued here may still use the pages or rows
