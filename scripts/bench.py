@@ -292,6 +292,9 @@ def main() -> int:
                          "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "
                          "PREFIX-ROW.json traces. The profiler takes GPU memory of its own (its window ran out of "
                          "it once at 24 GB with 6 GiB free; the row keeps its measured saves then)")
+    ap.add_argument("--codec", default="auto", choices=("auto", "ans", "zstd", "none"),
+                    help="scale mode: the tiered rows' fast-tier codec (default auto, as the embedded config; a "
+                         "pinned one skips the policy's one-off measurement after the first save)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per training step (default 16 GPU, 8 CPU; 256 tokens each on the GPU): larger "
                          "makes a step GPU-bound rather than bound by launching its kernels")
@@ -415,6 +418,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
                              drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch, trace=args.trace,
+                             codec=args.codec,
                              progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
         results["scale"].append(out)

@@ -300,7 +300,11 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             gpu_free0: int | None = None) -> list[tuple[int, int]]:
     """`run.saves` windows, one save each (and, with `run.trace`, one more, traced, kept apart in
     the row's "traced_save"), at the window's start: stall, call, durable (`durable(result)` waits
-    for it and returns when it completed), memory. `drop(step)` deletes an older step once the
+    for it and returns when it completed), memory. Each save's stall is its window against a
+    window without a save run just before it (`base_ms`; against the size's first baseline,
+    `base`: `stall_vs_start_ms`): over a run the same steps drifted ~5-10 ms faster each (GPU run
+    225, batch 192: 1,865 -> 1,857 ms), which a baseline taken once put to the later saves'
+    credit (up to ~40 ms in a window of six). `drop(step)` deletes an older step once the
     next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
     no method's stall should carry), so one copy at a time is kept on the disk; where the disk
     cannot hold two (`run.one_copy`), before the next save starts. Returns the
@@ -322,6 +326,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             started.append(save(k + 1))
             return started[-1]
 
+        barrier()
+        near = window.run()[0]  # the window without a save, now (see above); it trains the state on
         if k == saves - 1:
             prints = fingerprint(state)
         barrier()
@@ -347,13 +353,14 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         done = durable(result)
         low = min(low, gpu_free(device))
         if traced:  # the profiler's cost is in this window: not one of the row's saves
-            rec = row.extra["traced_save"] = {"stall_ms": None if oom else round(1e3 * (secs - base), 1),
+            rec = row.extra["traced_save"] = {"stall_ms": None if oom else round(1e3 * (secs - near), 1),
                                               "call_ms": None if oom else round(1e3 * call, 1),
                                               "timeline": tl.summary, **({"error": oom} if oom else {})}
         else:
-            row.add(base, secs, call, done - t_call[0], low, free0, rss(), rss0)
+            row.add(near, secs, call, done - t_call[0], low, free0, rss(), rss0)
             rec = row.saves[-1]
-        rec.update(steps_ms=None if oom else window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+        rec.update(base_ms=round(1e3 * near, 1), stall_vs_start_ms=None if oom else round(1e3 * (secs - base), 1),
+                   steps_ms=None if oom else window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
                    **(gil.summary() if run.gil_watch else {}))
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
@@ -403,6 +410,8 @@ class Run:
     trace: str | None = None
     """Trace one more save's window after the measured ones (`--trace`, scripts/gpu_timeline.py):
     "summary" keeps its summary in the row, a path prefix also writes each row's chrome trace there."""
+    codec: str = "auto"
+    """The tiered rows' fast-tier codec: the default config's `auto`, or one pinned (`--codec`)."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""

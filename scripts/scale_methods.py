@@ -22,7 +22,8 @@ def tiered_engine(run: Run) -> Any:
     engine = run.shared.get("engine")
     if engine is None:
         cfg = tiered.load_config(None)
-        doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered")}]}
+        doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered"),
+                          **({} if run.codec == "auto" else {"codec": run.codec})}]}
         rss0, gpu0, t0 = rss(), gpu_free(run.device), time.perf_counter()
         engine = run.shared["engine"] = tiered.Engine.from_config(doc)
         engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
