@@ -113,7 +113,10 @@ class S3DataWriter:
         self._end += len(src)
         while len(src):
             n = min(len(src), len(self._buf) - self._fill)
-            self._buf[self._fill:self._fill + n] = src[:n]
+            # numpy copies straight, without the GIL; `bytearray[a:b] = memoryview` first copies
+            # the view into a temporary bytearray: fresh memory, a page fault per 4 KiB (26,000-
+            # 55,000 per 275 MB step, most of the upload's system time on the 2-core CPU machine).
+            np.copyto(np.frombuffer(self._buf, np.uint8, n, self._fill), np.frombuffer(src, np.uint8, n))
             self._fill += n
             src = src[n:]
             if self._fill == len(self._buf):
