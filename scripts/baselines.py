@@ -278,6 +278,21 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
+def _client_cpu() -> tuple[float, float, int]:
+    """(user s, system s, minor page faults) of this process so far: what a transfer costs the
+    client's CPU (on a small machine, the server shares it)."""
+    import resource
+
+    t, r = os.times(), resource.getrusage(resource.RUSAGE_SELF)
+    return t.user, t.system, r.ru_minflt
+
+
+def _cpu_since(start: tuple[float, float, int]) -> dict:
+    now = _client_cpu()
+    return {"user_s": round(now[0] - start[0], 2), "system_s": round(now[1] - start[1], 2),
+            "page_faults": now[2] - start[2]}
+
+
 def s3_vs_boto3(state: dict, root: Path, codec: str = "zstd") -> dict | None:
     """Upload throughput of tiered's S3 tier against a plain boto3 multipart upload of the same
     bytes to the same server (a local SeaweedFS): the state saved with zstd on a local tier, then
@@ -333,14 +348,16 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str, codec: str) -> dict:
         migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None, buffers=buffers)
         data = root / "local" / "step_000000000002" / "rank_00000.data"
         evict(data)  # both uploads read the file from the disk, as a migration of a fresh step does
-        t0 = time.perf_counter()
+        cpu0, t0 = _client_cpu(), time.perf_counter()
         migrate_step(2, engine.get_tier("local"), engine.get_tier("s3"), codec=None, buffers=buffers)
         t_tiered = time.perf_counter() - t0
+        cpu_tiered = _cpu_since(cpu0)
     evict(data)
-    t0 = time.perf_counter()
+    cpu0, t0 = _client_cpu(), time.perf_counter()
     client.upload_file(str(data), "bench", "plain/rank_00000.data",
                        Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
     t_boto = time.perf_counter() - t0
+    cpu_boto = _cpu_since(cpu0)
     # Downloads: tiered-restore's copy S3 -> a local tier (the second step, warm), against boto3's
     # download_file with the same piece size and concurrency as tiered's ranged GETs.
     from tiered.tiers import LocalTier
@@ -367,6 +384,6 @@ def _s3_uploads(state: dict, root: Path, endpoint_url: str, codec: str) -> dict:
     return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
             "tiered_down_mbps": round(n / t_tiered_down / 1e6, 1), "boto3_down_mbps": round(n / t_boto_down / 1e6, 1),
             "boto3_down_fsync_mbps": round(n / t_boto_down_fsync / 1e6, 1),
-            "stored_bytes": manifest.stored_bytes,
+            "stored_bytes": manifest.stored_bytes, "tiered_up_cpu": cpu_tiered, "boto3_up_cpu": cpu_boto,
             "note": "tiered: the whole step (data, index, manifest, checksums verified), the second one migrated; "
                     "boto3: the data file"}

@@ -9,7 +9,9 @@ checksum verified; the second step, the client warm) against boto3 `upload_file`
 file with the same part size and concurrency; and back: tiered copies the step from S3 to a local
 tier (verified, O_DIRECT, fsync'd) against boto3 `download_file` (and with an fsync after it:
 tiered's copy is durable when it returns). The source file is dropped from the page cache before
-each upload. A fresh server per trial. Needs boto3 and SeaweedFS's `weed` (the test extra).
+each upload. A fresh server per trial. After each row, what each upload cost this process's
+CPU (user and system time, page faults), as an HTML comment: on a small machine the server
+shares the cores, so a client's CPU is the upload's speed. Needs boto3 and SeaweedFS's `weed` (the test extra).
 No timing is asserted; docs/benchmarks.md quotes what it printed.
 """
 
@@ -59,6 +61,9 @@ def main() -> None:
                   f"{r['boto3_down_mbps']} | {100 * r['tiered_down_mbps'] / r['boto3_down_mbps']:.0f}% | "
                   f"{r['boto3_down_fsync_mbps']} | {100 * r['tiered_down_mbps'] / r['boto3_down_fsync_mbps']:.0f}% |",
                   flush=True)
+            cpu = [f"{who} user {c['user_s']} s, system {c['system_s']} s, {c['page_faults']} page faults"
+                   for who, c in (("tiered", r["tiered_up_cpu"]), ("boto3", r["boto3_up_cpu"]))]
+            print(f"<!-- upload, this process's CPU: {'; '.join(cpu)} -->", flush=True)
 
 
 if __name__ == "__main__":
