@@ -33,8 +33,9 @@ save's slowest rank (stall, call, durable, restore), the GPU memory of the rank 
 and the host memory and stored bytes of all ranks together.
 
 For each: the training stall as the loop feels it (the wall time of a window of real training
-steps, forward + backward + optimizer step, that contains one save, minus the median of the same
-window without a save), next to the save call's own time; time to durable (from the call until
+steps, forward + backward + optimizer step, that contains one save, minus the same window
+without a save run just before it; the stall against the median of the method's first
+baseline windows is kept as `stall_vs_start_ms`), next to the save call's own time; time to durable (from the call until
 committed and fsync'd); stored bytes; GPU memory the method took (free GPU memory before its
 first save minus the least seen after; for tiered, from before the engine was made, so its
 `reserve` and a second row on the same engine count too) and host memory (growth of the
