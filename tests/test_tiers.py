@@ -355,3 +355,121 @@ def test_make_tier_from_example_config(tmp_path):
         return
     s3 = make_tier(cfg.tiers[2])
     assert s3.root == "s3://my-team-checkpoints/run-042" and not s3.reads_into_gpu
+
+
+# --- O_DIRECT host reads of the file tiers (tiered.tiers.local.DIRECT_READ_MIN) ---------------
+def _aligned_buffer(size: int) -> memoryview:
+    import mmap
+
+    return memoryview(mmap.mmap(-1, size))
+
+
+def _data_file(tmp_path, size: int) -> tuple:
+    """A local tier step directory whose data file is `size` random bytes."""
+    data = os.urandom(size)
+    path = tmp_path / "nvme" / "step_000000000001" / "rank_00000.data"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    return data, path
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_file_reads_return_the_file_whatever_their_alignment(tmp_path, direct_io):
+    from tiered.tiers import LocalTier
+
+    size = (3 << 20) + 1000  # a tail that is not a whole page
+    data, _ = _data_file(tmp_path, size)
+    r = LocalTier("local", tmp_path / "nvme", direct_io).open_data_reader(1, "rank_00000.data", device=False)
+    try:
+        for offset, n in [(0, size), (4096, 2 << 20), (8192, size - 8192), (100, 2 << 20), (0, 4096)]:
+            out = _aligned_buffer(n)  # page-aligned memory: O_DIRECT where the range allows it
+            r.read_into(offset, out)
+            assert bytes(out) == data[offset:offset + n], (offset, n)
+            unaligned = memoryview(bytearray(n + 1))[1:]  # never O_DIRECT
+            r.read_into(offset, unaligned)
+            assert bytes(unaligned) == data[offset:offset + n], (offset, n)
+        with pytest.raises(TieredError, match="truncated"):
+            r.read_into(4096, _aligned_buffer(size))
+    finally:
+        r.close()
+
+
+def _cached_pages(path, size: int) -> int:
+    """Pages of the file's first `size` bytes in the page cache (mincore on a private mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+        assert libc.mincore(addr, ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec)
+    finally:
+        del addr
+        m.close()
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_a_large_aligned_read_leaves_the_page_cache_to_training(tmp_path, direct_io):
+    """A migration or restore reads windows of a data file that nothing will read again: with
+    O_DIRECT they cost no kernel copy and evict nothing training keeps in the page cache. (`off`
+    reads through the cache: the control.)"""
+    from tiered.tiers import LocalTier
+
+    if not hasattr(os, "O_DIRECT") or not hasattr(os, "posix_fadvise"):
+        pytest.skip("no O_DIRECT or posix_fadvise on this platform")
+    size = 8 << 20
+    _, path = _data_file(tmp_path, size)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT (tmpfs)")
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if _cached_pages(path, size) > 16:
+        pytest.skip("the page cache kept the file after POSIX_FADV_DONTNEED")
+    r = LocalTier("local", tmp_path / "nvme", direct_io).open_data_reader(1, "rank_00000.data", device=False)
+    try:
+        r.read_into(0, _aligned_buffer(size))
+    finally:
+        r.close()
+    cached = _cached_pages(path, size)
+    if direct_io == "off":
+        assert cached > size // 4096 // 2
+    else:
+        assert cached <= 16, f"{cached} pages of the file entered the page cache"
+
+
+def test_o_direct_reads_refused_fall_back_or_fail_by_the_tiers_setting(tmp_path, monkeypatch):
+    from tiered.tiers import LocalTier, local
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    size = 2 << 20
+    data, _ = _data_file(tmp_path, size)
+    real_open = os.open
+    asked = []
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            asked.append(path)
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local.os, "open", no_direct)
+    r = LocalTier("local", tmp_path / "nvme", "auto").open_data_reader(1, "rank_00000.data", device=False)
+    out = _aligned_buffer(size)
+    r.read_into(0, out)
+    r.read_into(0, out)
+    r.close()
+    assert bytes(out) == data and len(asked) == 1  # asked once, then buffered
+    r = LocalTier("local", tmp_path / "nvme", "on").open_data_reader(1, "rank_00000.data", device=False)
+    with pytest.raises(TieredError, match="cannot open with O_DIRECT.*direct_io: auto or off"):
+        r.read_into(0, out)
+    r.close()
