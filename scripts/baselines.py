@@ -293,15 +293,21 @@ def _cpu_since(start: tuple[float, float, int]) -> dict:
             "page_faults": now[2] - start[2]}
 
 
-def s3_vs_boto3(state: dict, root: Path, codec: str = "zstd") -> dict | None:
-    """Upload throughput of tiered's S3 tier against a plain boto3 multipart upload of the same
-    bytes to the same server (a local SeaweedFS): the state saved with zstd on a local tier, then
-    migrated (copied as it is) to S3, and its data file uploaded with `boto3 upload_file`
-    (64 MiB parts, 8 in flight, as tiered's defaults). None where SeaweedFS or boto3 is missing.
-    `codec`: the local tier's (none where zstandard is not installed: the bytes moved differ, the
-    comparison does not)."""
+def s3_vs_boto3(state: dict, root: Path, codec: str = "zstd", rounds: int = 2) -> dict | None:
+    """Upload and download throughput of tiered's S3 tier against plain boto3 moving the same
+    bytes to and from the same server (a local SeaweedFS): the state saved with zstd on a local
+    tier, then migrated (copied as it is) to S3, and its data file uploaded with `boto3
+    upload_file` (64 MiB parts, 8 in flight, as tiered's defaults); back, tiered's copy from S3 to
+    a local tier against `download_file`. None where SeaweedFS or boto3 is missing.
+
+    `rounds` pairs of transfers, each of its own step, the order swapped from one pair to the next:
+    on the 2-core CPU machine a transfer that went second in a pair ran ~10% faster than the one
+    before it, whichever client it was (the server shares the client's cores), so a fixed order
+    credited the second client. The rates returned are medians over the rounds, with each pair's
+    ratio. `codec`: the local tier's (none where zstandard is not installed: the bytes moved
+    differ, the comparison does not)."""
     try:
-        import boto3  # noqa: F401 - checked here, used in _s3_uploads
+        import boto3  # noqa: F401 - checked here, used in _s3_transfers
     except ImportError:
         return None
     if shutil.which("weed") is None:
@@ -311,79 +317,117 @@ def s3_vs_boto3(state: dict, root: Path, codec: str = "zstd") -> dict | None:
     server = start_s3(root / "seaweedfs")
     try:
         with server.environment():  # the standard AWS chain finds its keys, for tiered and for boto3
-            return _s3_uploads(state, root, server.endpoint_url, codec)
+            return _s3_transfers(state, root, server.endpoint_url, codec, max(1, rounds))
     finally:
-        gc.unfreeze()  # (frozen in _s3_uploads)
+        gc.unfreeze()  # (frozen in _s3_transfers)
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _s3_uploads(state: dict, root: Path, endpoint_url: str, codec: str) -> dict:
+def _fsynced(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds: int) -> dict:
+    import statistics
+
     import boto3
     from boto3.s3.transfer import TransferConfig
 
     import tiered
     from tiered.cpu import WindowBuffers
     from tiered.migrator import migrate_step
+    from tiered.tiers import LocalTier
+    from tiered.tiers.s3 import READ_PIECE
 
     # A session of its own: boto3's default session keeps the first keys it read, and each call
     # of s3_vs_boto3 starts a server with new ones.
     client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
     client.create_bucket(Bucket="bench")
+    up_cfg = TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8)
+    down_cfg = TransferConfig(multipart_chunksize=READ_PIECE, max_concurrency=8)  # as tiered's ranged GETs
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / "local"), "codec": codec},
                      {"name": "s3", "kind": "s3", "bucket": "bench", "prefix": "tiered",
                       "endpoint_url": endpoint_url, "region": "us-east-1", "codec": codec}],
            "migration": "external"}
+    steps = range(2, 2 + rounds)
+
+    def data(step: int) -> Path:
+        return root / "local" / f"step_{step:012d}" / "rank_00000.data"
+
+    times: dict[str, list[float]] = {k: [] for k in ("up", "boto3_up", "down", "boto3_down", "boto3_down_fsync")}
+    cpu: dict[str, list[dict]] = {"up": [], "boto3_up": []}
     with tiered.Engine.from_config(cfg) as engine:
         manifest = engine.save(1, state).wait()
-        engine.save(2, state).wait()
+        for step in steps:
+            engine.save(step, state).wait()
         # The objects alive now (torch's and botocore's modules, the state) are kept out of Python's
         # full collections, as the migrator's own process keeps its start-up objects: a full pass
         # over them took 100-230 ms on the 2-core machine, inside whichever transfer it fell in.
         gc.freeze()
-        # Step 1 warms the S3 client up (botocore loads its service model and opens connections on
-        # the first calls), as the bench's boto3 client was by create_bucket; step 2 is timed.
-        # Its read windows' memory is kept for step 2, as a migrator keeps it from step to step.
+        # Step 1 warms both clients up (botocore loads its service model and opens connections on
+        # the first calls). Read windows' memory is kept from step to step, as a migrator keeps it.
+        local, s3 = engine.get_tier("local"), engine.get_tier("s3")
         buffers = WindowBuffers()
-        migrate_step(1, engine.get_tier("local"), engine.get_tier("s3"), codec=None, buffers=buffers)
-        data = root / "local" / "step_000000000002" / "rank_00000.data"
-        evict(data)  # both uploads read the file from the disk, as a migration of a fresh step does
-        cpu0, t0 = _client_cpu(), time.perf_counter()
-        migrate_step(2, engine.get_tier("local"), engine.get_tier("s3"), codec=None, buffers=buffers)
-        t_tiered = time.perf_counter() - t0
-        cpu_tiered = _cpu_since(cpu0)
-    evict(data)
-    cpu0, t0 = _client_cpu(), time.perf_counter()
-    client.upload_file(str(data), "bench", "plain/rank_00000.data",
-                       Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8))
-    t_boto = time.perf_counter() - t0
-    cpu_boto = _cpu_since(cpu0)
-    # Downloads: tiered-restore's copy S3 -> a local tier (the second step, warm), against boto3's
-    # download_file with the same piece size and concurrency as tiered's ranged GETs.
-    from tiered.tiers import LocalTier
-    from tiered.tiers.s3 import READ_PIECE
+        migrate_step(1, local, s3, codec=None, buffers=buffers)
+        client.upload_file(str(data(1)), "bench", "plain/1", Config=up_cfg)
 
+        def tiered_up(step: int) -> None:
+            migrate_step(step, local, s3, codec=None, buffers=buffers)
+
+        def boto3_up(step: int) -> None:
+            client.upload_file(str(data(step)), "bench", f"plain/{step}", Config=up_cfg)
+
+        for r, step in enumerate(steps):
+            for name, fn in ((("up", tiered_up), ("boto3_up", boto3_up)) if r % 2 == 0 else
+                             (("boto3_up", boto3_up), ("up", tiered_up))):
+                evict(data(step))  # both read the file from the disk, as a migration of a fresh step does
+                cpu0, t0 = _client_cpu(), time.perf_counter()
+                fn(step)
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(_cpu_since(cpu0))
+    # Downloads: tiered-restore's copy S3 -> a local tier (verified, O_DIRECT, fsync'd) against
+    # boto3's download_file with the same piece size and concurrency as tiered's ranged GETs, and
+    # with an fsync after it (tiered's copy is durable when it returns).
     with tiered.Engine.from_config(cfg) as engine:
+        s3 = engine.get_tier("s3")
         back = LocalTier("back", root / "back")
         buffers = WindowBuffers()
-        migrate_step(1, engine.get_tier("s3"), back, codec=None, buffers=buffers)
-        t0 = time.perf_counter()
-        migrate_step(2, engine.get_tier("s3"), back, codec=None, buffers=buffers)
-        t_tiered_down = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    client.download_file("bench", "plain/rank_00000.data", str(root / "plain.data"),
-                         Config=TransferConfig(multipart_chunksize=READ_PIECE, max_concurrency=8))
-    t_boto_down = time.perf_counter() - t0
-    fd = os.open(root / "plain.data", os.O_RDONLY)  # tiered's copy is durable when it returns
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    t_boto_down_fsync = time.perf_counter() - t0
-    n = data.stat().st_size
-    return {"bytes": n, "tiered_mbps": round(n / t_tiered / 1e6, 1), "boto3_mbps": round(n / t_boto / 1e6, 1),
-            "tiered_down_mbps": round(n / t_tiered_down / 1e6, 1), "boto3_down_mbps": round(n / t_boto_down / 1e6, 1),
-            "boto3_down_fsync_mbps": round(n / t_boto_down_fsync / 1e6, 1),
-            "stored_bytes": manifest.stored_bytes, "tiered_up_cpu": cpu_tiered, "boto3_up_cpu": cpu_boto,
-            "note": "tiered: the whole step (data, index, manifest, checksums verified), the second one migrated; "
-                    "boto3: the data file"}
+        migrate_step(1, s3, back, codec=None, buffers=buffers)
+        client.download_file("bench", "plain/1", str(root / "plain-1.data"), Config=down_cfg)
+
+        def tiered_down(step: int) -> None:
+            migrate_step(step, s3, back, codec=None, buffers=buffers)
+
+        def boto3_down(step: int) -> None:
+            start = time.perf_counter()
+            client.download_file("bench", f"plain/{step}", str(root / f"plain-{step}.data"), Config=down_cfg)
+            times["boto3_down"].append(time.perf_counter() - start)
+            _fsynced(root / f"plain-{step}.data")
+
+        for r, step in enumerate(steps):
+            for name, fn in ((("down", tiered_down), ("boto3_down_fsync", boto3_down)) if r % 2 == 0 else
+                             (("boto3_down_fsync", boto3_down), ("down", tiered_down))):
+                t0 = time.perf_counter()
+                fn(step)
+                times[name].append(time.perf_counter() - t0)
+    n = data(1).stat().st_size
+
+    def mbps(key: str) -> float:
+        return round(n / statistics.median(times[key]) / 1e6, 1)
+
+    def pairs(mine: str, theirs: str) -> list[float]:
+        return [round(100 * b / a, 1) for a, b in zip(times[mine], times[theirs])]  # tiered's rate as % of boto3's
+
+    return {"bytes": n, "rounds": rounds, "tiered_mbps": mbps("up"), "boto3_mbps": mbps("boto3_up"),
+            "tiered_down_mbps": mbps("down"), "boto3_down_mbps": mbps("boto3_down"),
+            "boto3_down_fsync_mbps": mbps("boto3_down_fsync"),
+            "up_pct_by_round": pairs("up", "boto3_up"), "down_pct_by_round": pairs("down", "boto3_down"),
+            "down_fsync_pct_by_round": pairs("down", "boto3_down_fsync"),
+            "stored_bytes": manifest.stored_bytes, "tiered_up_cpu": cpu["up"], "boto3_up_cpu": cpu["boto3_up"],
+            "note": f"medians of {rounds} rounds, the order swapped each round; tiered: the whole step (data, "
+                    "index, manifest, checksums verified); boto3: the data file"}
