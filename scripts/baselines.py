@@ -30,14 +30,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def fsync_file(path: Path | str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_tree(root: Path) -> None:
     for d, _, files in os.walk(root):
         for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(d, f))
 
 
 def dir_bytes(root: Path) -> int:
@@ -324,14 +328,6 @@ def s3_vs_boto3(state: dict, root: Path, codec: str = "zstd", rounds: int = 2) -
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _fsynced(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds: int) -> dict:
     import statistics
 
@@ -355,6 +351,10 @@ def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds
                       "endpoint_url": endpoint_url, "region": "us-east-1", "codec": codec}],
            "migration": "external"}
     steps = range(2, 2 + rounds)
+
+    def in_turn(r: int, first: tuple, second: tuple) -> tuple:
+        """Round r's pair of (name, transfer) in the order it runs: swapped every other round."""
+        return (first, second) if r % 2 == 0 else (second, first)
 
     def data(step: int) -> Path:
         return root / "local" / f"step_{step:012d}" / "rank_00000.data"
@@ -383,8 +383,7 @@ def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds
             client.upload_file(str(data(step)), "bench", f"plain/{step}", Config=up_cfg)
 
         for r, step in enumerate(steps):
-            for name, fn in ((("up", tiered_up), ("boto3_up", boto3_up)) if r % 2 == 0 else
-                             (("boto3_up", boto3_up), ("up", tiered_up))):
+            for name, fn in in_turn(r, ("up", tiered_up), ("boto3_up", boto3_up)):
                 evict(data(step))  # both read the file from the disk, as a migration of a fresh step does
                 cpu0, t0 = _client_cpu(), time.perf_counter()
                 fn(step)
@@ -407,11 +406,10 @@ def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds
             start = time.perf_counter()
             client.download_file("bench", f"plain/{step}", str(root / f"plain-{step}.data"), Config=down_cfg)
             times["boto3_down"].append(time.perf_counter() - start)
-            _fsynced(root / f"plain-{step}.data")
+            fsync_file(root / f"plain-{step}.data")
 
         for r, step in enumerate(steps):
-            for name, fn in ((("down", tiered_down), ("boto3_down_fsync", boto3_down)) if r % 2 == 0 else
-                             (("boto3_down_fsync", boto3_down), ("down", tiered_down))):
+            for name, fn in in_turn(r, ("down", tiered_down), ("boto3_down_fsync", boto3_down)):
                 t0 = time.perf_counter()
                 fn(step)
                 times[name].append(time.perf_counter() - t0)

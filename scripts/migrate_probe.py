@@ -82,13 +82,17 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[flo
 threads = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else background_threads()
 
 
+CEILING_DATA = (torch.randn(64 << 18) * 0.02).numpy().view("uint8")
+"""64 MiB of values like the states' (one array for every ceiling measured)."""
+
+
 def zstd_ceiling(chunk: int) -> float:
-    """GB/s of zstd (byte shuffle) encoding 64 MiB of such values in chunks of `chunk` bytes on
+    """GB/s of zstd (byte shuffle) encoding `CEILING_DATA` in chunks of `chunk` bytes on
     `threads` threads: the best of three. A state of many small tensors is stored in small chunks
     (one per tensor), which encode slower than 1 MiB ones (on the 2-core CPU machine, 134 KB
     chunks 0.297 GB/s against 0.347), so each state's copy is set against its own chunks' rate."""
     codec = get_codec(CodecSpec.of("zstd", shuffle=4), ZstdSettings())
-    x = (torch.randn(64 << 18) * 0.02).numpy().view("uint8")
+    x = CEILING_DATA
     chunks = [memoryview(x[i:i + chunk]) for i in range(0, len(x) - chunk + 1, chunk)]
     best = 0.0
     with ThreadPoolExecutor(threads) as pool:
@@ -119,8 +123,9 @@ for src in paths:
         first, steady = run(src, n, total_mb, threads)
         line = f"  {src:>4} -> zstd, {n} tensors, {total_mb} MB: {first:.3f} GB/s first, {steady:.3f} GB/s again"
         if src != "zstd":  # recompressed: against the zstd rate on chunks of this state's size
-            ceiling = zstd_ceiling(chunk_bytes(n))
-            line += f" ({100 * steady / ceiling:.0f}% of {ceiling:.3f} GB/s, zstd on {chunk_bytes(n)} B chunks)"
+            chunk = chunk_bytes(n)
+            ceiling = zstd_ceiling(chunk)
+            line += f" ({100 * steady / ceiling:.0f}% of {ceiling:.3f} GB/s, zstd on {chunk} B chunks)"
         else:  # kept: against the disk
             line += f" ({100 * steady / disk['write_gbps']:.0f}% of the O_DIRECT write ceiling)"
         print(line, flush=True)
