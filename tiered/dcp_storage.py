@@ -160,7 +160,8 @@ class StepWriter(StorageWriter):
             elif not isinstance(data, torch.Tensor):
                 raise TypeError(f"{item_name(item.index)}: the planner resolved a {type(data).__name__}, not a tensor")
             else:
-                data = data.detach()
+                if data.requires_grad:  # (otherwise the very tensor: a guarded save finds optimizer state by identity)
+                    data = data.detach()
                 if not data.is_contiguous():  # a projection of a larger tensor: store just that
                     data = data.contiguous()
             state[item_name(item.index)] = data

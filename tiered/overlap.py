@@ -54,12 +54,25 @@ class Guarded:
                  if isinstance(v, torch.Tensor)]
         self._held = params + state
         """(Holding them keeps each id below that object's while this lives.)"""
+        self._state = state
         self._ids = set(map(id, self._held))
         self._keys = {storage_key(p) for p in params}
         self._keys.update([storage_key(t) for t in state if type(t) not in PLAIN_TENSORS])
+        self._state_keys: set[tuple[int, int]] | None = None
 
     def __contains__(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids or storage_key(t) in self._keys
+
+    def by_memory(self, t: torch.Tensor) -> bool:
+        """`t` starts at the first byte of a parameter's or of optimizer state's memory, whatever
+        object it is: a detached alias of the very tensor that a wrapper handed on (only the
+        guarded step updates that memory). The first call reads every state tensor's memory (two
+        calls on each), so `overlap_plan` asks only of what `in` did not find, and only before it
+        would stage a save strictly."""
+        if self._state_keys is None:
+            self._state_keys = {storage_key(s) for s in self._state}
+        key = storage_key(t)
+        return key in self._keys or key in self._state_keys
 
 
 def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SavePlan | None, str]:
@@ -67,6 +80,24 @@ def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SaveP
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
     tensors: list[torch.Tensor] = list(plan.tensors)
     unguarded = [i for i, t in enumerate(tensors) if t not in guarded]
+    over = _over_limit(tensors, unguarded, free_gpu)
+    if over:  # before staging strictly: aliases of guarded memory that are other objects are guarded too
+        unguarded = [i for i in unguarded if not guarded.by_memory(tensors[i])]
+        over = _over_limit(tensors, unguarded, free_gpu)
+    if over:
+        index, nbytes, limit = over
+        return None, (f"{format_size(nbytes)} of the state on cuda:{index} is not guarded by an optimizer (not a "
+                      f"parameter or optimizer state) and would have to be copied; the limit is "
+                      f"{format_size(limit)}")
+    for i in unguarded:
+        tensors[i] = tensors[i].clone()
+    return dataclasses.replace(plan, tensors=tuple(tensors)), ""
+
+
+def _over_limit(tensors: list[torch.Tensor], unguarded: list[int], free_gpu: Any) -> tuple[int, int, int] | None:
+    """(GPU index, unguarded bytes there, the limit) for the first GPU where cloning the
+    unguarded tensors would copy more than `CLONE_LIMIT` or a quarter of its free memory; None
+    where no GPU would."""
     per_gpu: dict[int, int] = {}
     for i in unguarded:
         t = tensors[i]
@@ -75,12 +106,8 @@ def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SaveP
     for index, nbytes in per_gpu.items():
         limit = min(CLONE_LIMIT, free_gpu(index) // 4)
         if nbytes > limit:
-            return None, (f"{format_size(nbytes)} of the state on cuda:{index} is not guarded by an optimizer (not a "
-                          f"parameter or optimizer state) and would have to be copied; the limit is "
-                          f"{format_size(limit)}")
-    for i in unguarded:
-        tensors[i] = tensors[i].clone()
-    return dataclasses.replace(plan, tensors=tuple(tensors)), ""
+            return index, nbytes, limit
+    return None
 
 
 class Guard:
