@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiered import tree
+from tiered.errors import StateDictError
 from tiered.checksum import to_u64, wsum64, wsum64_rows_torch
 from tiered.staging import RowRing
 
@@ -203,6 +204,30 @@ def test_a_skeleton_of_the_same_structure_is_made_of_the_nodes_made_before():
     assert json.loads(json.dumps(other)) == {"$dict": [["model", {"$dict": [["0.weight", {"$tensor": 0}],
                                                                             ["bias", {"$tensor": 1}]]}]]}
     assert tree.decode(second, lambda i: i)["model"]["1.bias"] == 3
+
+
+def test_flat_items_flatten_as_their_dict_would_without_a_walk():
+    """A distributed save's items ({name: tensor}) are handed on already flattened: the same
+    skeleton JSON and leaves as a walk of that dict gives, the skeleton made once per list of
+    names; what is not a plain strided tensor is refused, naming the item."""
+    import json
+
+    names = ["a.w", "a.b@0,4", "opt.state.0.exp_avg"]
+    tensors = [torch.randn(3), torch.zeros(2, dtype=torch.bfloat16), torch.ones(4)]
+    flat = tree.flatten_items(names, tensors)
+    skeleton, leaves = tree.flatten(flat)
+    want_skeleton, want_leaves = tree.flatten(dict(zip(names, tensors)))
+    assert json.dumps(skeleton) == json.dumps(want_skeleton)
+    assert [(p, n) for p, _, n in leaves] == [(p, n) for p, _, n in want_leaves]
+    assert all(a.tensor is b.tensor for a, b in zip(leaves, want_leaves))
+    again = tree.flatten_items(names, [t.clone() for t in tensors])
+    assert again.skeleton is flat.skeleton and again.leaves[0].tensor is not tensors[0]
+    assert json.dumps(tree.flatten_items(names[:2], tensors[:2]).skeleton) == json.dumps(
+        tree.flatten(dict(zip(names[:2], tensors[:2])))[0]), "another list of names: its own skeleton"
+    with pytest.raises(StateDictError, match="a.b@0,4"):
+        tree.flatten_items(names, [tensors[0], torch.zeros(2, 2).to_sparse(), tensors[2]])
+    with pytest.raises(StateDictError, match="not a plain tensor"):
+        tree.flatten_items(names[:1], [_MyTensor(torch.zeros(1))])
 
 
 def test_skeletons_flattened_on_several_threads_at_once_refer_to_their_own_leaves(monkeypatch):

@@ -119,11 +119,11 @@ def test_distributed_items_are_the_optimizers_own_tensors():
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict={"model": model.state_dict(), "optim": opt.state_dict()}, is_coordinator=True)
     plan = planner.create_local_plan()
-    items = StepWriter.items(plan, lambda i, item: planner.resolve_data(item))
+    items = [leaf.tensor for leaf in StepWriter.items(plan, lambda i, item: planner.resolve_data(item)).leaves]
     state_ids = {id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
-    assert sum(id(t) in state_ids for t in items.values()) == len(state_ids)
+    assert sum(id(t) in state_ids for t in items) == len(state_ids)
     guarded = overlap.Guarded([opt])
-    assert all(t in guarded for t in items.values() if t.dtype != torch.uint8), "parameters by memory, state by identity"
+    assert all(t in guarded for t in items if t.dtype != torch.uint8), "parameters by memory, state by identity"
 
 
 def test_without_guard_saves_are_strict_and_stager_never_starts(tier_config):

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from tiered import threads
+from tiered import threads, tree
 from tiered.dcp_commit import (StoredItem, adopt_in_background, commit_step, metadata_from_json,
                                multi_rank, post_commit, post_failure, results_of)
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
@@ -64,6 +64,20 @@ def _rank_world() -> tuple[int, int]:
 def item_name(index: MetadataIndex) -> str:
     """The tensor name an item gets in a rank's index: its fqn, and the shard's offsets."""
     return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+_names: tuple[Any, list[str]] = (None, [])
+"""The last plan whose item names were made, and its names: a distributed save reuses its plan
+while the state keeps its structure (tiered.dcp_reuse), so they are made once, not per save."""
+
+
+def _item_names(plan: SavePlan) -> list[str]:
+    global _names
+    last, names = _names
+    if last is not plan:  # (the tuple holds the plan, so no other plan can have its id meanwhile)
+        names = [item_name(item.index) for item in plan.items]
+        _names = (plan, names)
+    return names
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -148,10 +162,11 @@ class StepWriter(StorageWriter):
         return self.saves.save(self.step, self.items(plan, resolve), rank_only=True)
 
     @staticmethod
-    def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any]) -> dict[str, torch.Tensor]:
+    def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any]) -> tree.Flat:
         """This rank's items as the flat state of tensors the save pipeline stages (objects
-        serialized into uint8 tensors, projections made contiguous)."""
-        state: dict[str, torch.Tensor] = {}
+        serialized into uint8 tensors, projections made contiguous), already flattened: the
+        state {item name: tensor}, without a walk of it per save."""
+        tensors: list[torch.Tensor] = []
         for i, item in enumerate(plan.items):
             data = resolve(i, item)
             if item.type == WriteItemType.BYTE_IO:
@@ -164,8 +179,8 @@ class StepWriter(StorageWriter):
                     data = data.detach()
                 if not data.is_contiguous():  # a projection of a larger tensor: store just that
                     data = data.contiguous()
-            state[item_name(item.index)] = data
-        return state
+            tensors.append(data)
+        return tree.flatten_items(_item_names(plan), tensors)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write the DCP metadata and commit the step on this node's fast tier;

@@ -104,15 +104,52 @@ class _Kept:
 _kept = _Kept()
 
 
+class Flat:
+    """A state already flattened (`flatten_items`); `flatten` returns its skeleton and leaves."""
+
+    __slots__ = ("skeleton", "leaves")
+
+    def __init__(self, skeleton: Any, leaves: list[Leaf]):
+        self.skeleton, self.leaves = skeleton, leaves
+
+
+_named: tuple[Any, list[KeyPath], Any] = (None, [], None)
+"""The names of the last `flatten_items`, their paths and skeleton: a distributed save hands the
+same list of names while its plan is reused (tiered.dcp_storage)."""
+
+
+def flatten_items(names: list[str], tensors: list[torch.Tensor]) -> Flat:
+    """The flat state {names[i]: tensors[i]} of plain tensors (a rank's items in a distributed
+    save), flattened as `flatten` would flatten that dict (without `share`), without walking it:
+    the skeleton and the leaves' paths are made once per list of names. Each leaf's tensor is
+    taken as it is (detached by the caller)."""
+    global _named
+    last, paths, skeleton = _named
+    if last is not names:  # (the tuple holds the list, so no other list can have its id meanwhile)
+        paths = [(name,) for name in names]
+        skeleton = {"$dict": tuple((name, _kept.ref(i)) for i, name in enumerate(names))}
+        _named = (names, paths, skeleton)
+    strided = torch.strided
+    for path, t in zip(paths, tensors):
+        if type(t) not in PLAIN_TENSORS:
+            raise StateDictError(f"{path_str(path)}: an item of type {type(t).__name__}, not a plain tensor")
+        if t.layout is not strided:
+            raise StateDictError(f"{path_str(path)}: {t.layout} tensors are not supported")
+    return Flat(skeleton, [_new_leaf(Leaf, (path, t, False)) for path, t in zip(paths, tensors)])
+
+
 def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
     """(skeleton, leaves): the skeleton refers to leaf i as {"$tensor": i}. Its nodes may be
     those of an earlier flatten of the same structure (`_Kept`): it is read, never changed.
+    A `Flat` state is already flattened: its skeleton and leaves.
 
     With `share`, a tensor that is the same view of the same memory as an earlier one (tied
     weights: an embedding and an output layer holding one Parameter; one tensor put in the state
     twice) is not a leaf of its own: the skeleton refers to the earlier leaf again, so it is
     stored once and loads as one tensor in both places. Views that overlap otherwise (another
     offset, shape or stride) stay separate leaves."""
+    if type(state) is Flat:
+        return state.skeleton, state.leaves
     leaves: list[Leaf] = []
     skeleton = _encode(state, (), leaves, {} if share else None)
     _kept.trim(len(leaves))
