@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+import tiered
 from tiered import threads
 
 
@@ -34,6 +35,37 @@ def test_pool_threads_run_the_initializer_first():
                             range(8)))
     assert all(initialized for _, initialized in ran)  # every task's thread had run the initializer
     assert all(name.startswith("tiered-y") for name, _ in ran)
+
+
+def test_threads_told_a_gpu_make_it_current_first(monkeypatch, tmp_path):
+    """A process that has not used CUDA yet (the migrator process) names the GPU its threads run
+    on: each makes it current before its first CUDA call (a thread's own is GPU 0). The
+    migrator's thread and pool are made so. (On a 2-GPU machine, test_an_engine_on_gpu_1_...
+    checks the contexts themselves.)"""
+    from tiered import migrator
+    from tiered.catalog import TierCatalog
+    from tiered.config import load_config
+
+    made: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: made.append((threading.current_thread().name, i)))
+    threads.start(lambda: None, name="tiered-a", gpu=3).join(5)
+    with threads.pool(1, "tiered-b", gpu=2) as p:
+        p.submit(lambda: None).result()
+    threads.start(lambda: None, name="tiered-c").join(5)  # (no CUDA in use here: none chosen)
+    assert made == [("tiered-a", 3), ("tiered-b_0", 2)]
+    made.clear()
+    raw = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "l")},
+                                              {"name": "shared", "kind": "posix", "path": str(tmp_path / "s")}]}
+    with tiered.Engine.from_config(raw) as engine:
+        engine.save(1, {"w": torch.arange(1 << 16, dtype=torch.float32)}).wait()
+    cfg = load_config(raw)
+    m = migrator.BackgroundMigrator(cfg, TierCatalog(cfg).get, lambda: None, gpu=1)
+    m.submit(1)
+    m.wait(timeout=60)
+    m.stop()
+    assert TierCatalog(cfg).get("shared").has_step(1)
+    assert {name.rstrip("_0123456789") for name, _ in made} == {"tiered-migrate", "tiered-migrator"}
+    assert {i for _, i in made} == {1}
 
 
 def test_without_cuda_in_use_threads_choose_no_device():

@@ -153,6 +153,7 @@ def _child() -> int:
     from tiered.catalog import TierCatalog
     from tiered.config import load_config
     from tiered.migrator import BackgroundMigrator, lower_process_priority, make_gpu_recoder
+    from tiered.runtime import gpu_stack_available
 
     handler = logging.StreamHandler(sys.stderr)  # its own progress, in the engine's stderr; not other libraries'
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -171,9 +172,9 @@ def _child() -> int:
                 pass  # the engine is gone: the work goes on
 
     gpu = os.environ.get("TIERED_MIGRATOR_GPU")
-    migrator = BackgroundMigrator(config, TierCatalog(config).get,
-                                  lambda: make_gpu_recoder(config, None if gpu is None else int(gpu)),
-                                  on_event=lambda kind, step, detail: say({kind: step, "error": detail}))
+    index = int(gpu) if gpu is not None and gpu_stack_available() else None  # (no GPU codecs: no GPU work)
+    migrator = BackgroundMigrator(config, TierCatalog(config).get, lambda: make_gpu_recoder(config, index),
+                                  on_event=lambda kind, step, detail: say({kind: step, "error": detail}), gpu=index)
     migrator.scanned()
     # This process's own start-up objects (torch's and botocore's modules, ~180,000) never become
     # garbage: kept out of Python's full collections, which otherwise took 100-230 ms each on the

@@ -407,14 +407,18 @@ class BackgroundMigrator(MigrationLedger):
     """
 
     def __init__(self, config: Any, get_tier: Callable[[str], Any], make_gpu: Callable[[], "GpuRecoder | None"],
-                 on_event: Callable[[str, int, str], None] = lambda kind, step, detail: None):
+                 on_event: Callable[[str, int, str], None] = lambda kind, step, detail: None,
+                 gpu: int | None = None):
+        """`gpu`: the CUDA device its threads run on (`make_gpu`'s); None: the creating thread's.
+        A process that has not used CUDA yet (the migrator process) must name it: otherwise its
+        threads' current device is GPU 0, and their first CUDA call opens a context there."""
         super().__init__()
         self._config, self._get_tier = config, get_tier
         self._on_event = on_event
         """Told ("resumed" | "done" | "failed", step, detail) as they happen (tiered.migration_process)."""
         # Training owns the machine: a quarter of the cores, at lower CPU priority (measured:
         # migrating with every core slowed a training step by half; docs/benchmarks.md).
-        self._pool = threads.pool(background_threads(), "tiered-migrate", lower_priority)
+        self._pool = threads.pool(background_threads(), "tiered-migrate", lower_priority, gpu=gpu)
         self._buffers = WindowBuffers()  # read windows kept between steps (at most WindowBuffers.KEEP)
         self._make_gpu = make_gpu
         self._queue: "queue.Queue[int | None]" = queue.Queue()
@@ -423,7 +427,7 @@ class BackgroundMigrator(MigrationLedger):
         self._retry_at: dict[int, float] = {}
         """Steps waiting for a retry, with the monotonic time it is due (the migrator thread's own)."""
         self._migration_lock = MigrationLock(config.fast_tier.path)
-        self._thread = threads.start(self._run, name="tiered-migrator")
+        self._thread = threads.start(self._run, name="tiered-migrator", gpu=gpu)
 
     def submit(self, step: int) -> None:
         if self._track(step):

@@ -37,9 +37,10 @@ def on_gpu(index: int | None, then: Callable[[], Any] | None = None) -> Callable
     return init
 
 
-def start(target: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
-    """A started daemon thread running `target(*args)` on the calling thread's GPU."""
-    init = on_gpu(current_gpu())
+def start(target: Callable[..., Any], *args: Any, name: str, gpu: int | None = None) -> threading.Thread:
+    """A started daemon thread running `target(*args)` on GPU `gpu`, or (None) the calling
+    thread's GPU."""
+    init = on_gpu(current_gpu() if gpu is None else gpu)
 
     def run() -> None:
         init()
@@ -50,7 +51,9 @@ def start(target: Callable[..., Any], *args: Any, name: str) -> threading.Thread
     return thread
 
 
-def pool(workers: int | None, prefix: str, initializer: Callable[[], Any] | None = None) -> ThreadPoolExecutor:
-    """A thread pool whose threads run on the calling thread's GPU (then call `initializer`)."""
+def pool(workers: int | None, prefix: str, initializer: Callable[[], Any] | None = None,
+         gpu: int | None = None) -> ThreadPoolExecutor:
+    """A thread pool whose threads run on GPU `gpu`, or (None) the calling thread's GPU (then
+    call `initializer`)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix,
-                              initializer=on_gpu(current_gpu(), initializer))
+                              initializer=on_gpu(current_gpu() if gpu is None else gpu, initializer))
