@@ -75,21 +75,34 @@ def test_without_cuda_in_use_threads_choose_no_device():
 
 
 _ON_GPU_1 = textwrap.dedent("""
-    import json, os, subprocess, sys, torch, tiered
+    import ctypes, json, os, subprocess, sys, torch, tiered
     torch.cuda.set_device(1)
     root = sys.argv[1]
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    phases = []
+
+    def phase(name):  # whether this process holds GPU 0's primary context by now: where it came from
+        flags, active = ctypes.c_uint(), ctypes.c_int()
+        libcuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active))
+        phases.append([name, bool(active.value)])
+
     cfg = {"chunk_size": "1MiB", "tiers": [
         {"name": "local", "kind": "local", "path": root + "/local", "codec": "ans"},
         {"name": "shared", "kind": "posix", "path": root + "/shared", "codec": "zstd"}]}
     g = torch.Generator(device="cuda:1").manual_seed(0)
     state = {"w": torch.randn(16 << 20, device="cuda:1", generator=g), "n": torch.arange(10)}
+    phase("state made")
     with tiered.Engine.from_config(cfg) as engine:  # migration: process, the default
+        phase("engine made")
         engine.guard(torch.optim.SGD([torch.zeros(1, device="cuda:1", requires_grad=True)]))
         for step in (1, 2):
             engine.save(step, state).wait()
+            phase(f"save {step}")
         engine.wait_migrated(timeout=300)  # ans -> zstd: decoded on a GPU by the migrator process
+        phase("migrated")
         out = {"w": torch.zeros_like(state["w"]), "n": torch.zeros(10, dtype=torch.long)}
         engine.restore(out, step=2)
+        phase("restored")
         assert torch.equal(out["w"], state["w"]) and torch.equal(out["n"], state["n"])
         torch.cuda.synchronize(1)
         pids = {os.getpid()}
@@ -98,7 +111,8 @@ _ON_GPU_1 = textwrap.dedent("""
                 pids |= {int(p) for p in f.read().split()}
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
                               capture_output=True, text=True, check=True).stdout
-    print(json.dumps({"pids": sorted(pids), "apps": apps, "gpu1": "GPU-" + str(torch.cuda.get_device_properties(1).uuid)}))
+    print(json.dumps({"pids": sorted(pids), "apps": apps, "gpu1": "GPU-" + str(torch.cuda.get_device_properties(1).uuid),
+                      "phases": phases}))
 """)
 
 
@@ -122,4 +136,5 @@ def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0(tmp_path):
             where.setdefault(int(pid), set()).add(uuid)
     if not where:
         pytest.skip(f"nvidia-smi lists no process of this container's ids: {got['apps']!r}")
-    assert all(uuids == {got["gpu1"]} for uuids in where.values()), (where, got["gpu1"])
+    assert all(uuids == {got["gpu1"]} for uuids in where.values()), (
+        where, got["gpu1"], "the engine's process held GPU 0's context after:", got["phases"])
