@@ -214,20 +214,23 @@ def test_flat_items_flatten_as_their_dict_would_without_a_walk():
 
     names = ["a.w", "a.b@0,4", "opt.state.0.exp_avg"]
     tensors = [torch.randn(3), torch.zeros(2, dtype=torch.bfloat16), torch.ones(4)]
-    flat = tree.flatten_items(names, tensors)
+    layout = tree.FlatNames(names)
+    flat = layout.flatten(tensors)
     skeleton, leaves = tree.flatten(flat)
     want_skeleton, want_leaves = tree.flatten(dict(zip(names, tensors)))
     assert json.dumps(skeleton) == json.dumps(want_skeleton)
     assert [(p, n) for p, _, n in leaves] == [(p, n) for p, _, n in want_leaves]
     assert all(a.tensor is b.tensor for a, b in zip(leaves, want_leaves))
-    again = tree.flatten_items(names, [t.clone() for t in tensors])
+    again = layout.flatten([t.clone() for t in tensors])
     assert again.skeleton is flat.skeleton and again.leaves[0].tensor is not tensors[0]
-    assert json.dumps(tree.flatten_items(names[:2], tensors[:2]).skeleton) == json.dumps(
-        tree.flatten(dict(zip(names[:2], tensors[:2])))[0]), "another list of names: its own skeleton"
+    assert json.dumps(tree.FlatNames(names[:2]).flatten(tensors[:2]).skeleton) == json.dumps(
+        tree.flatten(dict(zip(names[:2], tensors[:2])))[0]), "other names: their own skeleton"
     with pytest.raises(StateDictError, match="a.b@0,4"):
-        tree.flatten_items(names, [tensors[0], torch.zeros(2, 2).to_sparse(), tensors[2]])
+        layout.flatten([tensors[0], torch.zeros(2, 2).to_sparse(), tensors[2]])
     with pytest.raises(StateDictError, match="not a plain tensor"):
-        tree.flatten_items(names[:1], [_MyTensor(torch.zeros(1))])
+        tree.FlatNames(names[:1]).flatten([_MyTensor(torch.zeros(1))])
+    with pytest.raises(ValueError, match="2 tensors for 3 names"):
+        layout.flatten(tensors[:2])
 
 
 def test_skeletons_flattened_on_several_threads_at_once_refer_to_their_own_leaves(monkeypatch):

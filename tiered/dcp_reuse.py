@@ -124,8 +124,7 @@ def _walk(value: Any, path: tuple, sig: list, leaves: list) -> None:
     # (per leaf, on the training thread: exact types first, before the abstract-class tests)
     cls = type(value)
     if cls in _PLAIN:
-        sig.append(("t", path, value.shape, value.dtype, value.device, value.requires_grad,
-                    not value.is_cuda and value.is_pinned()))
+        sig.append(_tensor_sig(value, path))
         leaves.append(value)
     elif cls is dict or isinstance(value, Mapping):
         for k, v in value.items():
@@ -152,10 +151,15 @@ def _leaf_sig(value: Any, path: tuple) -> tuple:
         return ("d", path, value.shape, value.dtype, value.device, value.requires_grad, tuple(value.placements),
                 id(value.device_mesh), local.shape)
     if isinstance(value, torch.Tensor):
-        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter:
+        if type(value) not in _PLAIN:
             return ("x", path)  # ShardedTensor and other subclasses: DCP plans them its own way
-        return ("t", path, value.shape, value.dtype, value.device, value.requires_grad,
-                not value.is_cuda and value.is_pinned())
+        return _tensor_sig(value, path)
     if hasattr(value, "__create_write_items__"):
         return ("x", path)
     return ("o", path)
+
+
+def _tensor_sig(value: torch.Tensor, path: tuple) -> tuple:
+    """What DCP's write item for a plain tensor depends on."""
+    return ("t", path, value.shape, value.dtype, value.device, value.requires_grad,
+            not value.is_cuda and value.is_pinned())

@@ -66,18 +66,19 @@ def item_name(index: MetadataIndex) -> str:
     return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
 
 
-_names: tuple[Any, list[str]] = (None, [])
-"""The last plan whose item names were made, and its names: a distributed save reuses its plan
-while the state keeps its structure (tiered.dcp_reuse), so they are made once, not per save."""
+_layout: tuple[Any, "tree.FlatNames | None"] = (None, None)
+"""The last plan whose items were laid out, and their layout (`tree.FlatNames` of the item
+names): a distributed save reuses its plan while the state keeps its structure
+(tiered.dcp_reuse), so the names, paths and skeleton are made once, not per save."""
 
 
-def _item_names(plan: SavePlan) -> list[str]:
-    global _names
-    last, names = _names
-    if last is not plan:  # (the tuple holds the plan, so no other plan can have its id meanwhile)
-        names = [item_name(item.index) for item in plan.items]
-        _names = (plan, names)
-    return names
+def _flat_names(plan: SavePlan) -> tree.FlatNames:
+    global _layout
+    last, layout = _layout
+    if last is not plan or layout is None:  # (the tuple holds the plan, so no other can have its id meanwhile)
+        layout = tree.FlatNames([item_name(item.index) for item in plan.items])
+        _layout = (plan, layout)
+    return layout
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class StepWriter(StorageWriter):
                 if not data.is_contiguous():  # a projection of a larger tensor: store just that
                     data = data.contiguous()
             tensors.append(data)
-        return tree.flatten_items(_item_names(plan), tensors)
+        return _flat_names(plan).flatten(tensors)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write the DCP metadata and commit the step on this node's fast tier;

@@ -105,7 +105,7 @@ _kept = _Kept()
 
 
 class Flat:
-    """A state already flattened (`flatten_items`); `flatten` returns its skeleton and leaves."""
+    """A state already flattened (`FlatNames.flatten`); `flatten` returns its skeleton and leaves."""
 
     __slots__ = ("skeleton", "leaves")
 
@@ -113,29 +113,28 @@ class Flat:
         self.skeleton, self.leaves = skeleton, leaves
 
 
-_named: tuple[Any, list[KeyPath], Any] = (None, [], None)
-"""The names of the last `flatten_items`, their paths and skeleton: a distributed save hands the
-same list of names while its plan is reused (tiered.dcp_storage)."""
+class FlatNames:
+    """Flat states {names[i]: tensors[i]} of plain tensors (a rank's items in a distributed save),
+    flattened as `flatten` would flatten that dict (without `share`) but without walking it: the
+    skeleton and the leaves' paths are made once, here, for every state of these names."""
 
+    __slots__ = ("paths", "skeleton")
 
-def flatten_items(names: list[str], tensors: list[torch.Tensor]) -> Flat:
-    """The flat state {names[i]: tensors[i]} of plain tensors (a rank's items in a distributed
-    save), flattened as `flatten` would flatten that dict (without `share`), without walking it:
-    the skeleton and the leaves' paths are made once per list of names. Each leaf's tensor is
-    taken as it is (detached by the caller)."""
-    global _named
-    last, paths, skeleton = _named
-    if last is not names:  # (the tuple holds the list, so no other list can have its id meanwhile)
-        paths = [(name,) for name in names]
-        skeleton = {"$dict": tuple((name, _kept.ref(i)) for i, name in enumerate(names))}
-        _named = (names, paths, skeleton)
-    strided = torch.strided
-    for path, t in zip(paths, tensors):
-        if type(t) not in PLAIN_TENSORS:
-            raise StateDictError(f"{path_str(path)}: an item of type {type(t).__name__}, not a plain tensor")
-        if t.layout is not strided:
-            raise StateDictError(f"{path_str(path)}: {t.layout} tensors are not supported")
-    return Flat(skeleton, [_new_leaf(Leaf, (path, t, False)) for path, t in zip(paths, tensors)])
+    def __init__(self, names: list[str]):
+        self.paths = [(name,) for name in names]
+        self.skeleton = {"$dict": tuple((name, _kept.ref(i)) for i, name in enumerate(names))}
+
+    def flatten(self, tensors: list[torch.Tensor]) -> Flat:
+        """The state of these names and `tensors`, each taken as it is (detached by the caller)."""
+        if len(tensors) != len(self.paths):
+            raise ValueError(f"{len(tensors)} tensors for {len(self.paths)} names")
+        strided = torch.strided
+        for path, t in zip(self.paths, tensors):
+            if type(t) not in PLAIN_TENSORS:
+                raise StateDictError(f"{path_str(path)}: an item of type {type(t).__name__}, not a plain tensor")
+            if t.layout is not strided:
+                raise StateDictError(f"{path_str(path)}: {t.layout} tensors are not supported")
+        return Flat(self.skeleton, [_new_leaf(Leaf, (path, t, False)) for path, t in zip(self.paths, tensors)])
 
 
 def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
