@@ -81,10 +81,27 @@ _ON_GPU_1 = textwrap.dedent("""
     libcuda = ctypes.CDLL("libcuda.so.1")
     phases = []
 
-    def phase(name):  # whether this process holds GPU 0's primary context by now: where it came from
+    def on_gpu_0():
         flags, active = ctypes.c_uint(), ctypes.c_int()
         libcuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active))
-        phases.append([name, bool(active.value)])
+        return bool(active.value)
+
+    def phase(name):  # whether this process holds GPU 0's primary context by now: where it came from
+        phases.append([name, on_gpu_0()])
+
+    caught = []  # every thread's Python stack the moment GPU 0's primary context was first seen
+    def watch():
+        import threading, time, traceback
+        names = {}
+        while not on_gpu_0():
+            names = {t.ident: t.name for t in threading.enumerate()}
+            time.sleep(0.0005)
+        frames = sys._current_frames()
+        names.update({t.ident: t.name for t in threading.enumerate()})
+        caught.extend(f"{names.get(i, i)}:\n" + "".join(traceback.format_stack(f)[-6:]) for i, f in frames.items()
+                      if i != threading.get_ident())
+    import threading
+    threading.Thread(target=watch, daemon=True).start()
 
     cfg = {"chunk_size": "1MiB", "tiers": [
         {"name": "local", "kind": "local", "path": root + "/local", "codec": "ans"},
@@ -112,7 +129,7 @@ _ON_GPU_1 = textwrap.dedent("""
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
                               capture_output=True, text=True, check=True).stdout
     print(json.dumps({"pids": sorted(pids), "apps": apps, "gpu1": "GPU-" + str(torch.cuda.get_device_properties(1).uuid),
-                      "phases": phases}))
+                      "phases": phases, "caught": caught}))
 """)
 
 
@@ -137,4 +154,5 @@ def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0(tmp_path):
     if not where:
         pytest.skip(f"nvidia-smi lists no process of this container's ids: {got['apps']!r}")
     assert all(uuids == {got["gpu1"]} for uuids in where.values()), (
-        where, got["gpu1"], "the engine's process held GPU 0's context after:", got["phases"])
+        where, got["gpu1"], "the engine's process held GPU 0's context after:", got["phases"],
+        "its threads when that context appeared:", "\n".join(got["caught"]))
