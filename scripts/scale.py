@@ -41,7 +41,8 @@ first save minus the least seen after; for tiered, from before the engine was ma
 `reserve` and a second row on the same engine count too) and host memory (growth of the
 process's resident set, pinned buffers included); the cold restore into the zeroed state, page
 cache dropped where permitted, checked bit-exact by a fingerprint of every tensor taken before
-zeroing. Same-run ceilings: O_DIRECT write and read of the disk, pinned device-to-host copy, and
+zeroing. Same-run ceilings: O_DIRECT write and read of the disk (under torchrun by rank 0 alone,
+then by every rank at once; the durable and restore targets use the faster), pinned device-to-host copy, and
 the GPU codecs' encode rate alone on a batch of the state's own tensors (what compressing the
 state takes of a GPU that training keeps busy). Per save, also the full passes of Python's
 collector that ran inside its window, on any thread and on the engine's (`scripts/gc_watch.py`):
@@ -89,6 +90,8 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     out["ranks"] = world()
     barrier()  # one rank measures the disk's ceilings, alone on it
     out["ceilings"] = gather(ceilings(min(state_bytes, 8 << 30), tensors_of(state)) if rank() == 0 else None)[0]
+    if world() > 1:
+        out["ceilings"]["disk_together"] = disk_together(root / "ceiling-together", min(state_bytes, 4 << 30))
     if rank() == 0:
         say(f"# ceilings: {out['ceilings']}")
     window = Window(step_fn, device, window_steps)
@@ -126,12 +129,38 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     return out
 
 
+def disk_together(root: Path, nbytes: int) -> dict:
+    """The disk's O_DIRECT write and read rates with every rank probing it at once, each on a
+    file of its own of `nbytes` (at least 256 MiB): the disk the ranks' saves and restores share.
+    A rank's rate is its bytes over its own time; together, all bytes over the slowest rank's
+    time (the ranks start at a barrier; one may start reading while another still writes)."""
+    import baselines
+
+    mine = root / f"rank{rank()}"
+    barrier()
+    got = gather(baselines.disk_ceilings(mine, max(256 << 20, nbytes)))
+    shutil.rmtree(mine, ignore_errors=True)
+    total = sum(g["bytes"] for g in got)
+    rate = {k: round(total / max(g["bytes"] / g[k] for g in got), 3) for k in ("write_gbps", "read_gbps")}
+    return {**rate, "ranks": len(got), "bytes_per_rank": got[0]["bytes"], "o_direct": all(g["o_direct"] for g in got),
+            "per_rank": [{k: g[k] for k in ("write_gbps", "read_gbps")} for g in got]}
+
+
+def disk_bounds(ceilings: dict) -> dict:
+    """The write and read rates that the durable and restore targets are held to: the disk
+    probed by one rank alone, or (several ranks) by all at once, whichever was faster: the
+    stricter bound (ranks that shared the disk worse than one rank alone would still be held to
+    one rank's rate)."""
+    alone, together = ceilings.get("disk", {}), ceilings.get("disk_together", {})
+    return {k: max(alone.get(k) or 0, together.get(k) or 0) or None for k in ("write_gbps", "read_gbps")}
+
+
 def targets(out: dict) -> dict:
     """Issue 14's targets, from this size's rows: the stall for each tiered row (strict and
     overlapped), the rest from the default (strict) row, or the overlapped one where it ran alone
     (both write and restore the same way)."""
     rows = {r["name"]: r for r in out["rows"]}
-    disk = out["ceilings"].get("disk", {})
+    disk = disk_bounds(out["ceilings"])
     usable = [r for r in (rows.get("tiered"), rows.get("tiered_overlap"))
               if r and not r["error"] and r["warm_stall_ms"]]
     if not usable:
@@ -169,7 +198,10 @@ def print_size(out: dict) -> None:
     c = out["ceilings"]
     disk = c.get("disk", {})
     ans = c.get("gpu_codecs", {}).get("ans", {}).get("encode_gbps")
+    together = c.get("disk_together")
     print(f"ceilings: O_DIRECT write {disk.get('write_gbps')} GB/s, read {disk.get('read_gbps')} GB/s"
+          + (" (one rank alone); all %d ranks at once: write %s GB/s, read %s GB/s" % (
+              together["ranks"], together["write_gbps"], together["read_gbps"]) if together else "")
           + (f", pinned D2H {c['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in c else "")
           + (f", GPU ANS encode {ans} GB/s alone (this state: {1e3 * out['state_gb'] / ans:.0f} ms of the whole GPU, "
              "which a GPU-bound training loop gives up)" if ans else ""))

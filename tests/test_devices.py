@@ -98,7 +98,7 @@ _ON_GPU_1 = textwrap.dedent("""
             time.sleep(0.0005)
         frames = sys._current_frames()
         names.update({t.ident: t.name for t in threading.enumerate()})
-        caught.extend(f"{names.get(i, i)}:\n" + "".join(traceback.format_stack(f)[-6:]) for i, f in frames.items()
+        caught.extend(f"{names.get(i, i)}:\\n" + "".join(traceback.format_stack(f)[-6:]) for i, f in frames.items()
                       if i != threading.get_ident())
     import threading
     threading.Thread(target=watch, daemon=True).start()
