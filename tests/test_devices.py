@@ -68,6 +68,23 @@ def test_threads_told_a_gpu_make_it_current_first(monkeypatch, tmp_path):
     assert {i for _, i in made} == {1}
 
 
+def test_the_migrator_process_sees_the_engines_gpu_alone():
+    """The child decodes on the engine's GPU and sees no other: a library that opens a context on
+    GPU 0 whatever GPU it works on (nvCOMP 6.0: GPU runs 238-240) cannot take another rank's memory
+    there. The engine's index is among the devices the engine sees, so an inherited
+    CUDA_VISIBLE_DEVICES is indexed, never replaced by a physical ordinal."""
+    from tiered.migration_process import child_env
+
+    base = {"PATH": "/bin"}
+    assert child_env(base, None) == base
+    assert child_env(base, 1) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1", "TIERED_MIGRATOR_GPU": "0"}
+    assert child_env({**base, "CUDA_VISIBLE_DEVICES": "4, 6"}, 1)["CUDA_VISIBLE_DEVICES"] == "6"
+    uuids = "GPU-3d9d0cda-7c36,GPU-6e0448a4-f0ec"
+    assert child_env({"CUDA_VISIBLE_DEVICES": uuids}, 0) == {"CUDA_VISIBLE_DEVICES": "GPU-3d9d0cda-7c36",
+                                                               "TIERED_MIGRATOR_GPU": "0"}
+    assert child_env({"CUDA_VISIBLE_DEVICES": "2"}, 3) == {"CUDA_VISIBLE_DEVICES": "2", "TIERED_MIGRATOR_GPU": "3"}
+
+
 def test_without_cuda_in_use_threads_choose_no_device():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         pytest.skip("this process already uses CUDA")
@@ -75,7 +92,8 @@ def test_without_cuda_in_use_threads_choose_no_device():
 
 
 _ON_GPU_1 = textwrap.dedent("""
-    import ctypes, json, os, subprocess, sys, torch, tiered
+    import ctypes, json, logging, os, subprocess, sys, torch, tiered
+    logging.basicConfig(level=logging.WARNING)
     torch.cuda.set_device(1)
     root = sys.argv[1]
     libcuda = ctypes.CDLL("libcuda.so.1")
@@ -89,19 +107,22 @@ _ON_GPU_1 = textwrap.dedent("""
     def phase(name):  # whether this process holds GPU 0's primary context by now: where it came from
         phases.append([name, on_gpu_0()])
 
-    caught = []  # every thread's Python stack the moment GPU 0's primary context was first seen
-    def watch():
-        import threading, time, traceback
-        names = {}
-        while not on_gpu_0():
-            names = {t.ident: t.name for t in threading.enumerate()}
-            time.sleep(0.0005)
-        frames = sys._current_frames()
-        names.update({t.ident: t.name for t in threading.enumerate()})
-        caught.extend(f"{names.get(i, i)}:\\n" + "".join(traceback.format_stack(f)[-6:]) for i, f in frames.items()
-                      if i != threading.get_ident())
-    import threading
-    threading.Thread(target=watch, daemon=True).start()
+    # Which call of which thread opened GPU 0's primary context: every C function called from
+    # Python, on every thread, is checked before and after. Each call that spanned the moment is
+    # kept (the one that opened it, and any that waited meanwhile: a lock's acquire, a join).
+    caught, before = [], {}
+    def profile(frame, event, arg):
+        if len(caught) >= 12 or event not in ("c_call", "c_return", "c_exception"):
+            return
+        me = threading.get_ident()
+        if event == "c_call":
+            before[me] = on_gpu_0()
+        elif before.get(me) is False and on_gpu_0():
+            before[me] = None
+            caught.append(f"{threading.current_thread().name}: {arg!r}\\n" + "".join(traceback.format_stack(frame)[-10:]))
+    import threading, traceback
+    threading.setprofile(profile)
+    sys.setprofile(profile)
 
     cfg = {"chunk_size": "1MiB", "tiers": [
         {"name": "local", "kind": "local", "path": root + "/local", "codec": "ans"},
@@ -128,7 +149,7 @@ _ON_GPU_1 = textwrap.dedent("""
                 pids |= {int(p) for p in f.read().split()}
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
                               capture_output=True, text=True, check=True).stdout
-    print(json.dumps({"pids": sorted(pids), "apps": apps, "gpu1": "GPU-" + str(torch.cuda.get_device_properties(1).uuid),
+    print(json.dumps({"engine": os.getpid(), "pids": sorted(pids), "apps": apps, "gpu1": "GPU-" + str(torch.cuda.get_device_properties(1).uuid),
                       "phases": phases, "caught": caught}))
 """)
 
@@ -136,9 +157,11 @@ _ON_GPU_1 = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi")
-def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0(tmp_path):
+def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0_but_nvcomps_which_it_reports(tmp_path):
     """Saves (guarded and strict), migration through the child process (ANS decoded on the GPU),
-    a restore: this process and its children hold contexts on GPU 1 only."""
+    a restore. The migrator process holds a context on GPU 1 alone. The engine's own process holds
+    one on GPU 0 only where nvCOMP opened it (nvCOMP 6.0 does, on its first call, whatever GPU it
+    is told: GPU runs 238-240; scripts/context_probe.py), and then the engine's log says so."""
     import json
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -151,8 +174,14 @@ def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0(tmp_path):
         pid, uuid = (x.strip() for x in line.split(","))
         if pid.isdigit() and int(pid) in got["pids"]:
             where.setdefault(int(pid), set()).add(uuid)
+    print("the calls that spanned GPU 0's context opening:", *got["caught"], sep="\n")
     if not where:
         pytest.skip(f"nvidia-smi lists no process of this container's ids: {got['apps']!r}")
-    assert all(uuids == {got["gpu1"]} for uuids in where.values()), (
-        where, got["gpu1"], "the engine's process held GPU 0's context after:", got["phases"],
-        "its threads when that context appeared:", "\n".join(got["caught"]))
+    gpu1 = got["gpu1"]
+    children = {pid: uuids for pid, uuids in where.items() if pid != got["engine"]}
+    assert children and all(uuids == {gpu1} for uuids in children.values()), (where, gpu1)
+    mine = where.get(got["engine"], set())
+    said = "opened a CUDA context on GPU 0" in done.stderr
+    assert gpu1 in mine and said == bool(mine - {gpu1}), (
+        mine, gpu1, said, "the engine's process held GPU 0's context after:", got["phases"],
+        "the calls that spanned its opening:", "\n".join(got["caught"]), done.stderr[-2000:])

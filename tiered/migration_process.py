@@ -46,6 +46,20 @@ RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 60.0
 
 
+def child_env(env: dict[str, str], gpu: int | None) -> dict[str, str]:
+    """The migrator process's environment: it decodes on the engine's GPU `gpu` (an index among
+    the devices this process sees), and sees that GPU alone (`CUDA_VISIBLE_DEVICES`): a library
+    that opens a context on GPU 0 whatever GPU it works on (nvCOMP 6.0 does: GPU runs 238-240)
+    would otherwise take that context's memory from another rank."""
+    if gpu is None:
+        return env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpu + 1)]
+    if gpu < len(ids):
+        return {**env, "CUDA_VISIBLE_DEVICES": ids[gpu], "TIERED_MIGRATOR_GPU": "0"}
+    return {**env, "TIERED_MIGRATOR_GPU": str(gpu)}  # (a GPU the list does not name: left as the driver sees it)
+
+
 class MigratorProcess(MigrationLedger):
     """The interface of `BackgroundMigrator` (`submit`, `wait`, `stop`, `active`), its work done by
     a supervised child process."""
@@ -63,9 +77,7 @@ class MigratorProcess(MigrationLedger):
         self._watch.start()
 
     def _start(self) -> None:
-        env = dict(os.environ, TIERED_MIGRATOR_CONFIG=self._config_json)
-        if self._gpu is not None:  # decode on the engine's GPU, not on GPU 0 (another rank's)
-            env["TIERED_MIGRATOR_GPU"] = str(self._gpu)
+        env = child_env(dict(os.environ, TIERED_MIGRATOR_CONFIG=self._config_json), self._gpu)
         self._proc = subprocess.Popen([sys.executable, "-m", "tiered.migration_process"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, bufsize=1, env=env, start_new_session=True)
         self.pid = self._proc.pid

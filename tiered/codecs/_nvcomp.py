@@ -8,6 +8,8 @@ save. All calls are asynchronous on the caller's stream; ``sizes()`` waits.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 from collections import deque
 from typing import Any, Sequence
@@ -15,6 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from tiered.errors import CodecUnavailableError
+
+log = logging.getLogger("tiered")
 
 _lock = threading.Lock()
 _codecs: dict[tuple[Any, ...], Any] = {}
@@ -49,20 +53,23 @@ class _PinnedBuffer:
     ran. A buffer goes back to the cache only once the work nvCOMP queued on its stream has run.
     (The allocator is nvCOMP's, process-wide: set once, when tiered first uses nvCOMP.)"""
 
-    __slots__ = ("_tensor", "ptr")
+    __slots__ = ("_tensor", "ptr", "_stream")
 
     def __init__(self, nbytes: int, stream: Any):
         # (`stream` is not read: for a pinned allocation it has no device, and reading it crashed.)
         _reap()
         self._tensor = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, pin_memory=True)
         self.ptr = self._tensor.data_ptr()
+        # tiered calls nvCOMP only under the stream it hands it (torch.cuda.stream), so the
+        # current stream now is the one whose work may read this buffer. (Not the current stream
+        # where the buffer is collected: any thread may collect it, and a thread that never chose
+        # a GPU would record on GPU 0, opening a context there.)
+        self._stream = torch.cuda.current_stream()
 
     def __del__(self) -> None:
         try:
-            # tiered calls nvCOMP only under the stream it hands it (torch.cuda.stream), so the
-            # current stream is the one whose work may still read this buffer.
             event = torch.cuda.Event()
-            event.record()
+            event.record(self._stream)
             _retired.append((event, self._tensor))
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing runs any more
             pass
@@ -79,7 +86,7 @@ def _reap() -> None:
 
 
 def codec(algorithm: str, stream: torch.cuda.Stream, chunk_size: int, data_type: str | None = None) -> Any:
-    key = (algorithm, data_type, stream.cuda_stream, chunk_size)
+    key = (algorithm, data_type, stream.device.index, stream.cuda_stream, chunk_size)  # (a default stream is 0 on every GPU)
     with _lock:
         c = _codecs.get(key)
         if c is None:
@@ -94,17 +101,43 @@ def codec(algorithm: str, stream: torch.cuda.Stream, chunk_size: int, data_type:
 
 
 _bounds: dict[tuple[Any, ...], int] = {}
+_told: list[bool] = []
 
 
 def max_compressed(algorithm: str, chunk_size: int, data_type: str | None = None) -> int:
-    """nvCOMP's bound on one compressed chunk (it is computed from an array of that size)."""
+    """nvCOMP's bound on one compressed chunk (it is computed from an array of that size). Where
+    the first one opens a CUDA context on GPU 0 in a process working on another GPU, as nvCOMP
+    6.0 does (GPU runs 238-240), the log says so once."""
     key = (algorithm, chunk_size, data_type)
     if key not in _bounds:
         stream = torch.cuda.current_stream()
+        watch = not _told and stream.device.index != 0 and primary_context_active(0) is False
         probe = torch.empty(chunk_size, dtype=torch.uint8, device=stream.device)
         c = codec(algorithm, stream, chunk_size, data_type)
         _bounds[key] = int(c.get_max_comp_buffer_size(nvcomp().as_array(probe, cuda_stream=stream.cuda_stream)))
+        if watch and primary_context_active(0):
+            _say_gpu0_opened(stream.device.index)
     return _bounds[key]
+
+
+def primary_context_active(index: int) -> bool | None:
+    """Whether this process holds GPU `index`'s primary context (None: the driver cannot say)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    if lib.cuDevicePrimaryCtxGetState(index, ctypes.byref(flags), ctypes.byref(active)) != 0:
+        return None
+    return bool(active.value)
+
+
+def _say_gpu0_opened(index: int) -> None:
+    _told.append(True)
+    log.warning("tiered: nvCOMP %s opened a CUDA context on GPU 0 in this process, which works on cuda:%d: that "
+                "context's memory is taken from GPU 0's own rank. Start each rank with CUDA_VISIBLE_DEVICES set "
+                "to its own GPU to avoid it (the engine's migrator process is started that way)",
+                getattr(nvcomp(), "__version__", "?"), index)
 
 
 def _wait(stream: torch.cuda.Stream) -> None:
