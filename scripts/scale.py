@@ -221,6 +221,12 @@ def print_size(out: dict) -> None:
               f"{cm['median']} | "
               f"{d['median']} ({d['min']}–{d['max']}) | {r['stored_bytes'] / 1e9:.2f} | {r['gpu_taken_bytes'] / 1e9:.2f} | "
               f"{r['host_taken_bytes'] / 1e9:.2f} | {r['restore_s']} | {r['restore_bit_exact']} |")
+    for r in out["rows"]:
+        b = r.get("baseline_window_ms")
+        if b and not r["error"]:
+            print(f"{r['name']}: the windows without a save (one just before each save, which its stall is "
+                  f"measured against) took {b['median']} ms, {b['min']}–{b['max']} over the run "
+                  f"(a spread of {b['max'] - b['min']:.1f} ms)")
     if out["targets"]:
         print("\n| target (tiered, default config) | met | measured |\n|---|---|---|")
         for k, v in out["targets"].items():

@@ -259,7 +259,9 @@ class Row:
         return {"name": self.name, "note": self.note, "error": self.error, "saves": self.saves,
                 "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
                 "later_stall_ms": stats("stall_ms", self.saves[2:]),
-                "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"), "stored_bytes": self.stored,
+                "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"),
+                "baseline_window_ms": stats("base_ms", [s for s in self.saves if "base_ms" in s]),
+                "stored_bytes": self.stored,
                 "gpu_taken_bytes": self.gpu_taken, "host_taken_bytes": self.host_taken,
                 "restore_s": self.restore_s, "restore_bit_exact": self.exact, **self.extra}
 
