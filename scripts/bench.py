@@ -309,8 +309,8 @@ def main() -> int:
             ap.error("under torchrun only the scale mode runs (--scale)")
         import torch.distributed as dist
 
-        if dev == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if dev == "cuda":  # (a rank started seeing its own GPU alone, CUDA_VISIBLE_DEVICES=$LOCAL_RANK: GPU 0)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl" if dev == "cuda" else "gloo")
     params = args.params or (200e6 if dev == "cuda" else 3e6)
     steps = args.train_steps if args.train_steps is not None else (200 if dev == "cuda" else 20)

@@ -30,7 +30,10 @@ its own state of that size on its own GPU, all ranks write to one disk, each tra
 with an all-reduce (ranks step together, as data-parallel training does), tiered saves through
 `Engine.save` (its distributed path) and DCP through its process group; rank 0 reports each
 save's slowest rank (stall, call, durable, restore), the GPU memory of the rank that took most,
-and the host memory and stored bytes of all ranks together.
+and the host memory and stored bytes of all ranks together. Started as above, every rank sees
+every GPU, as torchrun leaves it, and nvCOMP takes a context on GPU 0 in each (docs/distributed.md).
+To start each rank seeing its own GPU alone, as docs/distributed.md advises:
+`torchrun --nproc-per-node 2 --no-python sh -c 'CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec python3 scripts/bench.py --scale 24 ...'`.
 
 For each: the training stall as the loop feels it (the wall time of a window of real training
 steps, forward + backward + optimizer step, that contains one save, minus the same window
