@@ -7,7 +7,10 @@ threads of 16 MiB requests: issue 15's target for a plain copy is 90% of the wri
 its rate reading one file while writing another (both tiers of this probe are on that disk, so a
 copy reads and writes it at once; not a bound on the copy, see `baselines.disk_ceilings`).
 
-    python3 scripts/migrate_probe.py [THREADS] [--dir D] [--mb 256] [--paths none,zstd,ans]
+    python3 scripts/migrate_probe.py [THREADS] [--dir D] [--src-dir S] [--mb 256] [--paths none,zstd,ans]
+
+`--src-dir /dev/shm/probe` puts the source (local) tier in memory: a copy then reads no disk, and
+a plain copy's rate is set against the destination disk's write ceiling alone.
 
 `--mb 24000 --paths ans` is a 24 GB step of GPU tensors (issue 14's scale) on the default hop.
 """
@@ -39,6 +42,7 @@ def _opt(name: str, default: str) -> str:
 root = _opt("--dir", "./.tiered/migrate-probe")
 total_mb = int(_opt("--mb", "256"))
 paths = _opt("--paths", "none,zstd,ans").split(",")
+src_root = _opt("--src-dir", f"{root}/local")
 
 
 
@@ -48,12 +52,14 @@ BUFFERS = WindowBuffers()
 on the 2-core CPU machine)."""
 
 
-def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[float, float]:
+def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[float, float, float]:
     """GB/s of raw state migrated: the step's first migration, and a second one (the steady state
     of a migrator: its buffers kept; the step deleted from the target in between), each with the
-    source's data file out of the page cache."""
+    source's data file out of the page cache; and the bytes the target's data files hold per raw
+    byte (what a disk writes)."""
     shutil.rmtree(root, ignore_errors=True)
-    cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": f"{root}/local", "codec": src_codec},
+    shutil.rmtree(src_root, ignore_errors=True)
+    cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": src_root, "codec": src_codec},
            {"name": "shared", "kind": "posix", "path": f"{root}/shared", "codec": "zstd"}]}
     dev = "cuda" if src_codec == "ans" else "cpu"  # ANS is a GPU codec: a GPU's fast tier
     g = torch.Generator(device=dev).manual_seed(0)
@@ -70,13 +76,14 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[flo
                 if attempt:
                     cat.get("shared").delete(1)
                     os.sync()
-                for f in Path(root, "local").rglob("*.data"):
+                for f in Path(src_root).rglob("*.data"):
                     evict(f)  # (read from the disk, as a fresh step is; a buffered read would find it cached)
                 t0 = time.perf_counter()
                 migrate_step(1, cat.get("local"), cat.get("shared"), codec="zstd", settings=ZstdSettings(), pool=pool,
                              gpu=gpu, buffers=BUFFERS)
                 rates.append(raw / (time.perf_counter() - t0) / 1e9)
-    return rates[0], rates[1]
+        stored = sum(f.stat().st_size for f in Path(root, "shared").rglob("*.data"))
+    return rates[0], rates[1], stored / raw
 
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else background_threads()
@@ -120,13 +127,15 @@ for src in paths:
         print("   ans -> zstd: skipped (needs a GPU with nvCOMP)")
         continue
     for n in (8, 2000):
-        first, steady = run(src, n, total_mb, threads)
+        first, steady, ratio = run(src, n, total_mb, threads)
         line = f"  {src:>4} -> zstd, {n} tensors, {total_mb} MB: {first:.3f} GB/s first, {steady:.3f} GB/s again"
         if src != "zstd":  # recompressed: against the zstd rate on chunks of this state's size
             chunk = chunk_bytes(n)
             ceiling = zstd_ceiling(chunk)
             line += f" ({100 * steady / ceiling:.0f}% of {ceiling:.3f} GB/s, zstd on {chunk} B chunks)"
-        else:  # kept: against the disk
-            line += f" ({100 * steady / disk['write_gbps']:.0f}% of the O_DIRECT write ceiling)"
+        else:  # kept: the bytes written against the disk's write ceiling
+            line += (f" of state; it writes {ratio:.3f} B per byte of state: {steady * ratio:.3f} GB/s written, "
+                     f"{100 * steady * ratio / disk['write_gbps']:.0f}% of the O_DIRECT write ceiling")
         print(line, flush=True)
 shutil.rmtree(root, ignore_errors=True)
+shutil.rmtree(src_root, ignore_errors=True)
