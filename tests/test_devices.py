@@ -185,3 +185,29 @@ def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0_but_nvcomps_which_it_repor
     assert gpu1 in mine and said == bool(mine - {gpu1}), (
         mine, gpu1, said, "the engine's process held GPU 0's context after:", got["phases"],
         "the calls that spanned its opening:", "\n".join(got["caught"]), done.stderr[-2000:])
+
+
+def test_a_call_that_opens_gpu_0s_context_from_another_gpu_is_logged_once(monkeypatch, caplog):
+    """nvCOMP 6.0 opens a context on GPU 0 on its first call, whatever GPU it works on (GPU runs
+    238-240): the engine's first bound is watched, and where GPU 0's primary context appeared
+    during it, on a process working on another GPU, a warning names the remedy, once."""
+    import logging
+
+    from tiered.codecs import _nvcomp
+
+    states = iter([False, True])
+    monkeypatch.setattr(_nvcomp, "primary_context_active", lambda index: next(states))
+    monkeypatch.setattr(_nvcomp, "_told", [])
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        assert _nvcomp.noting_gpu0(1, lambda: 42) == 42
+        assert _nvcomp.noting_gpu0(1, lambda: 43) == 43  # (told once: not asked again)
+    said = [r.getMessage() for r in caplog.records if "GPU 0" in r.getMessage()]
+    assert len(said) == 1 and "cuda:1" in said[0] and "CUDA_VISIBLE_DEVICES" in said[0]
+
+    caplog.clear()
+    monkeypatch.setattr(_nvcomp, "_told", [])
+    for index, seen in ((0, [False, True]), (1, [False, False]), (1, [True, True])):
+        states = iter(seen)  # on GPU 0 itself; not opened by the call; open before it
+        monkeypatch.setattr(_nvcomp, "primary_context_active", lambda i, s=states: next(s))
+        _nvcomp.noting_gpu0(index, lambda: None)
+    assert not [r for r in caplog.records if "GPU 0" in r.getMessage()]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import threading
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -111,13 +112,28 @@ def max_compressed(algorithm: str, chunk_size: int, data_type: str | None = None
     key = (algorithm, chunk_size, data_type)
     if key not in _bounds:
         stream = torch.cuda.current_stream()
-        watch = not _told and stream.device.index != 0 and primary_context_active(0) is False
-        probe = torch.empty(chunk_size, dtype=torch.uint8, device=stream.device)
-        c = codec(algorithm, stream, chunk_size, data_type)
-        _bounds[key] = int(c.get_max_comp_buffer_size(nvcomp().as_array(probe, cuda_stream=stream.cuda_stream)))
-        if watch and primary_context_active(0):
-            _say_gpu0_opened(stream.device.index)
+
+        def bound() -> int:
+            probe = torch.empty(chunk_size, dtype=torch.uint8, device=stream.device)
+            c = codec(algorithm, stream, chunk_size, data_type)
+            return int(c.get_max_comp_buffer_size(nvcomp().as_array(probe, cuda_stream=stream.cuda_stream)))
+
+        _bounds[key] = noting_gpu0(stream.device.index, bound)
     return _bounds[key]
+
+
+def noting_gpu0(index: int, call: Callable[[], Any]) -> Any:
+    """`call()`, made on GPU `index`; where it opened GPU 0's primary context in this process
+    (and `index` is another GPU), a warning says so, once a process."""
+    watch = not _told and index != 0 and primary_context_active(0) is False
+    out = call()
+    if watch and primary_context_active(0):
+        _told.append(True)
+        log.warning("tiered: nvCOMP %s opened a CUDA context on GPU 0 in this process, which works on cuda:%d: "
+                    "that context's memory is taken from GPU 0's own rank. Start each rank with "
+                    "CUDA_VISIBLE_DEVICES set to its own GPU to avoid it (the engine's migrator process is "
+                    "started that way)", getattr(sys.modules.get("nvidia.nvcomp"), "__version__", "?"), index)
+    return out
 
 
 def primary_context_active(index: int) -> bool | None:
@@ -130,14 +146,6 @@ def primary_context_active(index: int) -> bool | None:
     if lib.cuDevicePrimaryCtxGetState(index, ctypes.byref(flags), ctypes.byref(active)) != 0:
         return None
     return bool(active.value)
-
-
-def _say_gpu0_opened(index: int) -> None:
-    _told.append(True)
-    log.warning("tiered: nvCOMP %s opened a CUDA context on GPU 0 in this process, which works on cuda:%d: that "
-                "context's memory is taken from GPU 0's own rank. Start each rank with CUDA_VISIBLE_DEVICES set "
-                "to its own GPU to avoid it (the engine's migrator process is started that way)",
-                getattr(nvcomp(), "__version__", "?"), index)
 
 
 def _wait(stream: torch.cuda.Stream) -> None:
