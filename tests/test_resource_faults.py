@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,41 @@ def test_a_fast_tier_gone_sends_gpu_and_cpu_saves_to_the_next_tier(tmp_path, dev
         engine.wait()
         assert engine.steps("local") == [1, 3] and engine.steps() == [1, 2, 3]
     assert "cannot take step 2" in caplog.text and "takes saves again (from step 3)" in caplog.text, caplog.text
+
+
+def test_a_save_that_stands_still_logs_where_the_engines_threads_stand(tmp_path, monkeypatch, caplog):
+    """A disk that stops answering (here: the data file's writes wait) leaves a save in flight
+    with no progress: after STUCK_S the log names the step and every engine thread's stack, the
+    writer's in the write among them, once; the save completes when the disk answers again."""
+    import threading
+
+    from tiered import watch
+    from tiered.tiers.local import LocalDataWriter
+
+    monkeypatch.setattr(watch, "WATCH_S", 0.05)
+    monkeypatch.setattr(watch, "STUCK_S", 0.3)
+    answer = threading.Event()
+
+    def stuck(write):
+        def stuck(self, *args, **kwargs):
+            answer.wait(30)
+            return write(self, *args, **kwargs)
+        return stuck
+
+    for name in ("write_host", "write_host_async"):
+        monkeypatch.setattr(LocalDataWriter, name, stuck(getattr(LocalDataWriter, name)))
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "local"), "codec": "zstd"}]}
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    with caplog.at_level(logging.WARNING, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        handle = engine.save(7, state)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("no progress" in r.getMessage() for r in caplog.records):
+            time.sleep(0.05)
+        time.sleep(0.5)  # (several more looks: still once)
+        answer.set()
+        handle.wait(60)
+        engine.restore(out := {"w": torch.zeros_like(state["w"])}, step=7)
+    said = [r.getMessage() for r in caplog.records if "no progress" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "step 7" in said[0] and "tiered-writer" in said[0] and "in stuck" in said[0], said[0]
+    assert torch.equal(out["w"], state["w"])

@@ -58,6 +58,7 @@ from tiered.records import RecordLog, records_root, save_record
 from tiered.runtime import Workers
 from tiered.units import format_size, round_up
 from tiered.version import __version__
+from tiered.watch import Watch
 
 log = logging.getLogger("tiered")
 _END = object()
@@ -136,7 +137,10 @@ class SavePipeline:
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[_Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
+        self.progress = 0
+        """Waves of chunks placed in a data file so far (it moves while saves make progress)."""
         self._writer = threads.start(self._writer_loop, name="tiered-writer")
+        self._watch = Watch(self._steps_in_flight, lambda: self.progress)
 
     # --- overlapping saves with the next forward and backward ------------------------------------
     def guard(self, optimizer: Any) -> Guard:
@@ -385,9 +389,14 @@ class SavePipeline:
             self._stager.join()
         self._jobs.put(None)
         self._writer.join()
+        self._watch.stop()
         while self._adopting:
             self._adopting.pop().join()
         self.codec.join()
+
+    def _steps_in_flight(self) -> list[int]:
+        with self._lock:
+            return sorted(self._inflight)
 
     def _reported(self, exc: BaseException) -> None:
         """A handle raised `exc` itself: the next save() or wait() does not raise it again."""
@@ -465,6 +474,7 @@ class SavePipeline:
             of the data file and record them; the first one's offset."""
             nonlocal end
             first = end
+            self.progress += 1
             for ref, size, crc in zip(refs, sizes, sums):
                 placed = chunks[ref.plan.index]
                 if not placed:
