@@ -3,7 +3,8 @@
 A process that chose GPU 1 (`torch.cuda.set_device(1)`) and then finds GPU 0's primary context
 active has taken some 0.5 GB of another rank's GPU. Each case runs in a fresh process, on a
 thread made as the engine makes its threads (GPU 1 current), and reports after each of its steps
-whether GPU 0's primary context is active. Needs 2 GPUs, nvCOMP and KvikIO.
+whether GPU 0's primary context is active, and at the end how much memory the process holds on
+each GPU (nvidia-smi: what such a context costs GPU 0). Needs 2 GPUs, nvCOMP and KvikIO.
 
     python3 scripts/context_probe.py            # every case
     python3 scripts/context_probe.py CASE ...   # some
@@ -94,6 +95,16 @@ else:
     t = threading.Thread(target=run)
     t.start()
     t.join()
+try:  # what this process holds on each GPU now, as nvidia-smi sees it (MiB)
+    import os, subprocess
+    uuids = {"GPU-" + str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    rows = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=30).stdout.splitlines()
+    held = {f"cuda:{uuids.get(u.strip(), u.strip())}": int(m) for p, u, m in (r.split(",") for r in rows if r.strip())
+            if p.strip() == str(os.getpid())}
+    steps.append(["MiB held", held])
+except Exception as exc:
+    steps.append(["MiB held", repr(exc)[:200]])
 print(json.dumps(steps))
 """
 
@@ -107,8 +118,11 @@ def main() -> int:
         except (ValueError, IndexError):
             print(f"{name}: FAILED: {done.stderr[-1500:]}")
             continue
+        held = next((v for s, v in steps if s == "MiB held"), None)
+        steps = [x for x in steps if x[0] != "MiB held"]
         opened = next((s for s, on in steps if on is True), None)
-        print(f"{name}: GPU 0's context {'opened at: ' + opened if opened else 'never opened'}  {steps}")
+        print(f"{name}: GPU 0's context {'opened at: ' + opened if opened else 'never opened'}  {steps}; "
+              f"held at the end (nvidia-smi, MiB): {held}")
     return 0
 
 
