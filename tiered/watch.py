@@ -62,6 +62,6 @@ class Watch:
                 continue
             if not told and now - since >= STUCK_S:
                 told = True
-                log.warning("tiered: the save of step %s has made no progress for %.0f s (nothing staged or "
-                            "written); it goes on waiting. The engine's threads stand at:\n%s",
+                log.warning("tiered: saves in flight (step %s) have made no progress for %.0f s (nothing staged "
+                            "or written); they go on waiting. The engine's threads stand at:\n%s",
                             ", ".join(map(str, steps)), now - since, stacks())
