@@ -33,6 +33,19 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _logged_modes: set[str] = set()
 
 
+def _open_direct(path: Any, flags: int, direct_io: str) -> int:
+    """`path` opened with `flags` and O_DIRECT; -1 where the filesystem refuses O_DIRECT
+    (EINVAL) and `direct_io` is auto. Under `direct_io: on`, or for any other error, a
+    TieredError naming the field."""
+    try:
+        return os.open(path, flags | _O_DIRECT, 0o644)
+    except OSError as exc:
+        if direct_io == "on" or exc.errno != errno.EINVAL:
+            raise TieredError(f"{path}: cannot open with O_DIRECT ({exc.strerror}); "
+                              "set direct_io: auto or off for this tier") from None
+        return -1
+
+
 def _log_mode_once(mode: str, detail: str) -> None:
     if mode not in _logged_modes:
         _logged_modes.add(mode)
@@ -136,13 +149,8 @@ class LocalDataWriter:
         self._direct = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         if direct_io != "off" and _O_DIRECT:
-            try:
-                self._fd = os.open(path, flags | _O_DIRECT, 0o644)
-                self._direct = True
-            except OSError as exc:
-                if direct_io == "on" or exc.errno != errno.EINVAL:
-                    raise TieredError(f"{path}: cannot open with O_DIRECT ({exc.strerror}); "
-                                      "set direct_io: auto or off for this tier") from None
+            self._fd = _open_direct(path, flags, direct_io)
+            self._direct = self._fd >= 0
         if self._fd < 0:
             self._fd = os.open(path, flags, 0o644)
         self._direct_policy = direct_io
@@ -396,21 +404,16 @@ class LocalDataReader:
                 _log_mode_once("direct-read-refused", f"{self.path}: O_DIRECT read refused, reading through the "
                                                       "page cache")
                 break
-            if n % ALIGNMENT or not n:  # the end of the file (or a short read): the rest buffered
-                done += n
-                break
             done += n
+            if n % ALIGNMENT or not n:  # the end of the file (or a short read): the rest buffered
+                break
         return done
 
     def _direct_descriptor(self) -> int:
         with self._direct_lock:
             if self._direct_fd < 0:
-                try:
-                    self._direct_fd = os.open(self.path, os.O_RDONLY | _O_DIRECT)
-                except OSError as exc:
-                    if self._direct_policy == "on" or exc.errno != errno.EINVAL:
-                        raise TieredError(f"{self.path}: cannot open with O_DIRECT ({exc.strerror}); "
-                                          "set direct_io: auto or off for this tier") from None
+                self._direct_fd = _open_direct(self.path, os.O_RDONLY, self._direct_policy)
+                if self._direct_fd < 0:
                     self._direct_policy = "off"
             return self._direct_fd
 
