@@ -140,7 +140,17 @@ def chunks_needed_for_rows(world: int, rank: int, chunk: int) -> int:
 
 def warm_saves(engine, state, step: int, repeats: int, cuda: bool) -> None:
     """Save steps step+1..step+repeats; rank 0 prints each save's stall (the call, plus the GPU
-    work the current stream waits for) and the DCP planning part of it."""
+    work the current stream waits for) and the DCP planning part of it. On CUDA, one more save is
+    called with ~2 s of work queued on the training stream (a loop whose host runs ahead of its
+    GPU): it must return with that work still queued, whatever the default group's backend (the
+    planning's all-reduce runs on the CPU: tiered.distributed.cpu_group)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)  # (GPU cycles: ~2 s on an H100)
+        handle = engine.save(step + repeats + 1, state)
+        if torch.cuda.current_stream().query():
+            raise SystemExit(f"rank {dist.get_rank()}: save() waited for the work queued on the training stream")
+        handle.wait()
     rows = []
     for i in range(1, repeats + 1):
         if cuda:
@@ -154,6 +164,21 @@ def warm_saves(engine, state, step: int, repeats: int, cuda: bool) -> None:
     if rows and dist.get_rank() == 0:
         print("warm saves at %d ranks: stall ms %s; of which DCP planning ms %s" % (
             dist.get_world_size(), [round(a, 1) for a, _ in rows], [round(b, 1) for _, b in rows]), file=sys.stderr)
+
+
+def count_new_groups() -> list:
+    """The gloo process groups made from now on (`dist.new_group`), in a list (a device mesh
+    makes groups of the default backend; tiered makes only gloo ones)."""
+    made: list = []
+    real = dist.new_group
+
+    def counting(*a, **k):
+        if k.get("backend") == "gloo":
+            made.append(k["backend"])
+        return real(*a, **k)
+
+    dist.new_group = counting
+    return made
 
 
 def save_fails_on_rank_1(engine, state, step: int) -> None:
@@ -241,6 +266,11 @@ def main() -> None:
     ap.add_argument("--fsdp", default=None, help="FSDP2 on CUDA; the full reference state goes to this file")
     ap.add_argument("--width", type=int, default=512, help="--fsdp model width")
     ap.add_argument("--layers", type=int, default=4, help="--fsdp model depth")
+    ap.add_argument("--backend", default=None, help="the default group's backend (default: gloo on CPU, "
+                    "cpu:gloo,cuda:nccl with --fsdp)")
+    ap.add_argument("--as-nccl", action="store_true", help="the engine takes the default group for one without a "
+                    "CPU backend (tiered.distributed.default_backend says nccl): it must plan over a gloo group "
+                    "of its own, made once")
     ap.add_argument("--repeats", type=int, default=0,
                     help="after the save of --step, save steps step+1..step+N (warm: the cached plan) and print "
                          "how long each blocked the training loop")
@@ -248,8 +278,13 @@ def main() -> None:
     cuda = args.fsdp is not None
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    dist.init_process_group(args.backend or ("cpu:gloo,cuda:nccl" if cuda else "gloo"))
     mesh = None if cuda else init_device_mesh("cpu", (dist.get_world_size(),))
+    groups = count_new_groups()
+    if args.as_nccl:
+        import tiered.distributed
+
+        tiered.distributed.default_backend = lambda: "nccl"
     engine = Engine.from_config(args.config)
     try:
         state = fsdp_state(args.mode == "load", args.width, args.layers) if cuda else build(mesh, args.mode == "load")
@@ -296,6 +331,9 @@ def main() -> None:
                 want = chunks_needed_for_rows(dist.get_world_size(), dist.get_rank(), engine.config.chunk_size)
                 if decoded != want:
                     raise SystemExit(f"rank {dist.get_rank()}: decoded {decoded} chunks of 'rows', needs {want}")
+        want = 1 if args.as_nccl or "gloo" not in dist.get_backend() else 0
+        if len(groups) != want:
+            raise SystemExit(f"rank {dist.get_rank()}: the engine made {len(groups)} process groups, expected {want}")
         dist.barrier()
     finally:
         engine.close()

@@ -110,6 +110,17 @@ def test_reserve_plans_with_dcp_so_the_first_save_does_not(tmp_path):
     torchrun(2, "save-change", "--config", cfg, "--step", "200", "--reserve")
 
 
+def test_saves_plan_over_a_gloo_group_where_the_default_group_is_nccl(tmp_path):
+    """With a default group of no CPU backend (NCCL: the engine is told so), the planning's
+    collectives run on a gloo group the engine makes once, never on GPU tensors, whose `.item()`
+    would wait for everything training queued on its stream; plans reused and made again, every
+    step restored bit-exact. (On this CPU machine a CUDA tensor would fail the save outright;
+    with real NCCL on 2 GPUs: scripts/gpu_dist_check.sh.)"""
+    cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
+                                            "codec": "zstd"}])
+    torchrun(2, "save-change", "--config", cfg, "--step", "200", "--reserve", "--as-nccl")
+
+
 def test_dcp_async_save_on_tiered_storage(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}])
     torchrun(4, "save", "--config", cfg, "--step", "5", "--how", "async")

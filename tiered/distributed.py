@@ -3,7 +3,7 @@
 Save, on every rank (`DistributedSaver.save`):
 
     DCP's DefaultSavePlanner plans (gather the local plans to the coordinator, which removes
-    duplicates of replicated tensors, scatter the final plans)    -- collectives on the default group;
+    duplicates of replicated tensors, scatter the final plans)    -- collectives on a CPU group;
     a state of the last save's structure reuses its plan instead (tiered.dcp_reuse; one all-reduce)
     -> StepWriter.stage_items (tiered.dcp_storage): this rank's items are staged as a single-process save stages
        (GPU tensors compressed on their GPU); save() returns here
@@ -20,6 +20,12 @@ first save reuses its plan (`DistributedSaver.reserve`).
 
 No rank waits for another in the training step: only the planning is collective. The background
 exchange goes through the store, not collectives, so it never interleaves with training's.
+
+The planning's collectives never touch the GPU (`cpu_group`): on an NCCL default group, an
+all-reduce of the reuse flag is a CUDA tensor whose `.item()` waits for everything training has
+queued on its stream, so a loop whose host runs ahead of its GPU would find its GPU idle for the
+rest of the save's call. Where the default group has no CPU backend, the saver makes a gloo group
+of all ranks once, as TorchTitan does for its asynchronous checkpoints.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class DistributedSaver:
         self.saves = saves
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         saves.bind_rank(self.rank, self.world)
+        self._group = cpu_group()
+        """Where the planning's collectives run: None for the default group, which does CPU ones."""
         self._reuse = PlanReuse()
         """The last save's plan, reused while the state keeps its structure."""
         self._pending: list[Any] = []
@@ -112,14 +120,14 @@ class DistributedSaver:
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
         local = planner.create_local_plan()
         gathered = [None] * self.world if coordinator else None
-        dist.gather_object(local, gathered, dst=0)
+        dist.gather_object(local, gathered, dst=0, group=self._group)
         scattered = [None] * self.world if coordinator else None
         metadata = None
         if coordinator:
             plans, metadata = planner.create_global_plan(gathered)
             scattered = writer.prepare_global_plan(plans)
         out = [None]
-        dist.scatter_object_list(out, scattered, src=0)
+        dist.scatter_object_list(out, scattered, src=0, group=self._group)
         final = planner.finish_plan(out[0])
         self._reuse.remember(sig, leaves, planner, final, metadata)
         return final, metadata, lambda i, item: planner.resolve_data(item)
@@ -136,11 +144,9 @@ class DistributedSaver:
         return self.saves.reserve(writer.items(final, resolve), rank_only=True)
 
     def _all(self, flag: bool) -> bool:
-        """`flag` holds on every rank (an all-reduce of one int on the default group)."""
-        backend = str(dist.get_backend())
-        device = "cpu" if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        """`flag` holds on every rank (an all-reduce of one int on the CPU, `cpu_group`)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
         return bool(t.item())
 
     def wait(self) -> None:
@@ -205,6 +211,29 @@ class DistributedSaver:
             post_commit(self.saves.tier, save_id, manifest)
             return manifest
         return adopt_commit(self.saves, step, save_id)
+
+
+def default_backend() -> str:
+    """The default group's backend, as `dist.get_backend()` names it ("nccl", "gloo",
+    "cpu:gloo,cuda:nccl")."""
+    return str(dist.get_backend())
+
+
+def cpu_group() -> Any:
+    """The group a save's planning collectives run on, on CPU tensors: None (the default group)
+    where the default group has a CPU backend, else a new gloo group of every rank (collective:
+    every rank makes it, as every rank makes its engine's first distributed call)."""
+    backend = default_backend()
+    if "gloo" in backend or "mpi" in backend:
+        return None
+    if not dist.is_gloo_available():
+        raise TieredError(f"torch.distributed's default group is {backend!r}, which has no CPU backend, and gloo is "
+                          "not available in this torch: initialise the process group with a CPU backend too, "
+                          "e.g. init_process_group('cpu:gloo,cuda:nccl')")
+    group = dist.new_group(backend="gloo")
+    log.info("tiered: the default process group is %r: saves plan over a gloo group of all %d ranks (made once), "
+             "so that no save waits for the GPU", backend, dist.get_world_size())
+    return group
 
 
 def _rank_key(save_id: str, rank: int) -> str:
