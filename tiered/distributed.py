@@ -129,7 +129,7 @@ class DistributedSaver:
         out = [None]
         dist.scatter_object_list(out, scattered, src=0, group=self._group)
         final = planner.finish_plan(out[0])
-        self._reuse.remember(sig, leaves, planner, final, metadata)
+        self._reuse.remember(sig, leaves, self._reuse.paths(state_dict), planner, final, metadata)
         return final, metadata, lambda i, item: planner.resolve_data(item)
 
     def reserve(self, state_dict: Any) -> int:
