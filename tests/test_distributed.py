@@ -121,6 +121,27 @@ def test_saves_plan_over_a_gloo_group_where_the_default_group_is_nccl(tmp_path):
     torchrun(2, "save-change", "--config", cfg, "--step", "200", "--reserve", "--as-nccl")
 
 
+def test_the_cpu_group_is_the_default_one_where_it_has_gloo_and_a_failure_to_make_one_names_the_remedy(monkeypatch):
+    from tiered import distributed
+    from tiered.errors import TieredError
+
+    made = []
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **k: made.append(k) or "group")
+    for backend in ("gloo", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(distributed, "default_backend", lambda b=backend: b)
+        assert distributed.cpu_group() is None
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "default_backend", lambda: "nccl")
+    assert distributed.cpu_group() == "group" and made == [{"backend": "gloo"}]
+
+    def refuse(**k):
+        raise RuntimeError("Gloo connectFullMesh failed")
+
+    monkeypatch.setattr(distributed.dist, "new_group", refuse)
+    with pytest.raises(TieredError, match=r"'nccl'.*connectFullMesh.*cpu:gloo,cuda:nccl.*GLOO_SOCKET_IFNAME"):
+        distributed.cpu_group()
+
+
 def test_dcp_async_save_on_tiered_storage(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}])
     torchrun(4, "save", "--config", cfg, "--step", "5", "--how", "async")

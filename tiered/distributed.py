@@ -230,7 +230,13 @@ def cpu_group() -> Any:
         raise TieredError(f"torch.distributed's default group is {backend!r}, which has no CPU backend, and gloo is "
                           "not available in this torch: initialise the process group with a CPU backend too, "
                           "e.g. init_process_group('cpu:gloo,cuda:nccl')")
-    group = dist.new_group(backend="gloo")
+    try:
+        group = dist.new_group(backend="gloo")
+    except Exception as exc:
+        raise TieredError(f"torch.distributed's default group is {backend!r}, which has no CPU backend, and making a "
+                          f"gloo group for the saves' planning failed ({exc}): initialise the process group with a "
+                          "CPU backend too, e.g. init_process_group('cpu:gloo,cuda:nccl'), and where gloo picks the "
+                          "wrong network interface, set GLOO_SOCKET_IFNAME") from exc
     log.info("tiered: the default process group is %r: saves plan over a gloo group of all %d ranks (made once), "
              "so that no save waits for the GPU", backend, dist.get_world_size())
     return group
