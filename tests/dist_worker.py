@@ -222,13 +222,20 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
     plan = DefaultSavePlanner.create_local_plan
     DefaultSavePlanner.create_local_plan = lambda self: (planned.append(1), plan(self))[1]
     state = build(mesh, zeros=False)
+    serialized: list[int] = []  # torch.save calls: each plain value's bytes (DCP's BYTE_IO items)
+    real_save = torch.save
+    torch.save = lambda *a, **k: (serialized.append(1), real_save(*a, **k))[1]
     if reserve:
         engine.reserve(state)
         if len(planned) != 1:
             raise SystemExit(f"rank {dist.get_rank()}: reserve() planned {len(planned)} times, expected once")
+        serialized.clear()
     engine.save(step, state).wait()                       # DCP plans (after reserve(): the plan is reused)
     if reserve and len(planned) != 1:
         raise SystemExit(f"rank {dist.get_rank()}: the first save after reserve() planned again")
+    if reserve and serialized:  # (reserve() serialized them; they have not changed)
+        raise SystemExit(f"rank {dist.get_rank()}: the first save after reserve() serialized {len(serialized)} values")
+    torch.save = real_save
     state["extra"]["epoch"] = 8
     for t in state["tensors"].values():
         (t.to_local() if isinstance(t, DTensor) else t).add_(1)

@@ -284,6 +284,26 @@ def test_small_budgets_work_in_waves(tier_config, device, codec):
     assert_same(state, target)
 
 
+def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypatch):
+    """A CPU save's records of its chunks (one object per chunk, kept from save to save) are made
+    by `reserve()`, not in the first save's call."""
+    from tiered import cpu
+
+    made = []
+    real = cpu.chunk_refs
+    monkeypatch.setattr(cpu, "chunk_refs", lambda plans: made.append(len(plans)) or real(plans))
+    state = {f"t{i}": torch.randn(1000 + i) for i in range(50)}
+    with tiered.Engine.from_config(tier_config("zstd")) as engine:
+        engine.reserve(state)
+        assert made == [50]
+        for step in (1, 2):
+            engine.save(step, state).wait()
+        assert made == [50], "the saves made the records again"
+        target = zeros_like_state(state)
+        engine.restore(target, step=2)
+    assert_same(state, target)
+
+
 def test_a_save_keeps_no_object_per_tensor_alive_for_the_collector(tier_config):
     """What a save keeps alive until its step is written, Python's collector moves to its oldest
     generation, and enough of it sets off a full pass that holds the GIL beside training (180-224

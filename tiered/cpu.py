@@ -66,6 +66,14 @@ def snapshot(plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], host:
 _refs: tuple[Sequence[TensorPlan], list[ChunkRef]] = ((), [])
 
 
+def prepare(plans: Sequence[TensorPlan]) -> None:
+    """At start-up (`Engine.reserve`): make the chunk records of saves of `plans` now, so that the
+    first save of that plan makes none (a record per chunk: 41,919 of them took 40 ms of a first
+    distributed save's call of 10,480 CPU tensors on the CPU machine, and the collector's pass
+    over them when the call ended, more)."""
+    _chunk_refs(plans)
+
+
 def _chunk_refs(plans: Sequence[TensorPlan]) -> list[ChunkRef]:
     """`chunk_refs(plans)`, kept for the plans of the last save (a cached plan's are the same
     object from save to save): made anew, an object per chunk each save lives until the step is

@@ -130,6 +130,8 @@ class DistributedSaver:
         dist.scatter_object_list(out, scattered, src=0, group=self._group)
         final = planner.finish_plan(out[0])
         self._reuse.remember(sig, leaves, self._reuse.paths(state_dict), planner, final, metadata)
+        if self._reuse.matches(sig):  # (kept: its resolver serializes values as the planner does, and keeps
+            return final, metadata, self._reuse.resolver(leaves)  # them, so `reserve` makes the first save's)
         return final, metadata, lambda i, item: planner.resolve_data(item)
 
     def reserve(self, state_dict: Any) -> int:

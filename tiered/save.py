@@ -190,6 +190,7 @@ class SavePipeline:
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
+        cpu.prepare(made.cpu)
         return made.raw_bytes
 
     def on_commit(self, hook: Callable[[int], None]) -> None:

@@ -60,6 +60,15 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def age_kept() -> None:
+    """Collect Python's young generations now (`Engine.reserve`, at start-up): what was made for
+    saves of a structure and is kept from save to save (skeleton nodes, plans, chunk records,
+    serialized values) moves to the oldest generation here. Otherwise the first save's call
+    passes over all of it when the collector comes back on: 145 ms of a first distributed save
+    of 10,480 CPU tensors on the CPU machine, where warm saves had none."""
+    gc.collect(1)
+
+
 class _Kept:
     """Skeleton nodes kept from one flatten to the next, so that a save of the same structure makes
     none anew. The skeleton lives until the step's index is written (seconds), and the cyclic
