@@ -49,7 +49,9 @@ then by every rank at once; the durable and restore targets use the faster), pin
 the GPU codecs' encode rate alone on a batch of the state's own tensors (what compressing the
 state takes of a GPU that training keeps busy). Per save, also the full passes of Python's
 collector that ran inside its window, on any thread and on the engine's (`scripts/gc_watch.py`):
-one holds the GIL for ~0.2 s here, and shows as stall whoever set it off.
+one holds the GIL for ~0.2 s here, and shows as stall whoever set it off; and those from the call
+until the step was durable (`full_gc_to_durable_ms`), which also covers the commit, long after
+the window at this scale.
 
 Its parts: scripts/scale_measure.py (ranks, the state, the windows and rows every method shares)
 and scripts/scale_methods.py (one function a row); this module runs one size and reports it.

@@ -338,22 +338,25 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         tl = Timeline(device, keep=f"{run.trace}-{row.name}.json" if run.trace != "summary" else None) \
             if traced else contextlib.nullcontext()
         oom = None
-        with FullCollections() as full, gil, tl:  # (a full pass of Python's collector in the window shows as stall)
-            try:
-                secs, call, result = window.run(start, before_update)
-            except torch.OutOfMemoryError as exc:
-                # The profiler's own GPU memory (CUPTI's buffers) took training's last headroom once
-                # (GPU run 219: 24 GB, 6 GiB free). The traced save is extra: the row keeps its
-                # measured saves and restores this one, started before the failure (one rank only:
-                # under torchrun the ranks' collectives would part ways).
-                if not (traced and started and world() == 1):
-                    raise
-                oom, secs, call, result = f"{type(exc).__name__}: {exc}"[:200], 0.0, 0.0, started[0]
-        if oom:
-            torch.cuda.empty_cache()
-        low = min(low, gpu_free(device))
-        done = durable(result)
-        low = min(low, gpu_free(device))
+        # Also from the call until the step is durable: the commit's work comes after the window
+        # (~25 s after the call at 24 GB), beside the training that goes on.
+        with FullCollections() as whole:
+            with FullCollections() as full, gil, tl:  # (a full pass of Python's collector in the window shows as stall)
+                try:
+                    secs, call, result = window.run(start, before_update)
+                except torch.OutOfMemoryError as exc:
+                    # The profiler's own GPU memory (CUPTI's buffers) took training's last headroom once
+                    # (GPU run 219: 24 GB, 6 GiB free). The traced save is extra: the row keeps its
+                    # measured saves and restores this one, started before the failure (one rank only:
+                    # under torchrun the ranks' collectives would part ways).
+                    if not (traced and started and world() == 1):
+                        raise
+                    oom, secs, call, result = f"{type(exc).__name__}: {exc}"[:200], 0.0, 0.0, started[0]
+            if oom:
+                torch.cuda.empty_cache()
+            low = min(low, gpu_free(device))
+            done = durable(result)
+            low = min(low, gpu_free(device))
         if traced:  # the profiler's cost is in this window: not one of the row's saves
             rec = row.extra["traced_save"] = {"stall_ms": None if oom else round(1e3 * (secs - near), 1),
                                               "call_ms": None if oom else round(1e3 * call, 1),
@@ -363,12 +366,14 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             rec = row.saves[-1]
         rec.update(base_ms=round(1e3 * near, 1), stall_vs_start_ms=None if oom else round(1e3 * (secs - base), 1),
                    steps_ms=None if oom else window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+                   full_gc_to_durable_ms=whole.ms, engine_full_gc_to_durable_ms=whole.engine_ms,
                    **(gil.summary() if run.gil_watch else {}))
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
-        gc_note = f", full collections in the window {full.ms} ms ({full.engine_ms} on the engine's threads)" \
-            if full.runs else ""
+        gc_note = (f", full collections in the window {full.ms} ms ({full.engine_ms} on the engine's threads)"
+                   if full.runs else "") + (f", until durable {whole.ms} ms ({whole.engine_ms} on the engine's threads)"
+                                            if whole.runs else "")
         where = ", ".join(gil.summary(3)["gil_where"]) if run.gil_watch else ""
         gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}{'; ' + where if where else ''})" \
             if run.gil_watch else ""
