@@ -184,7 +184,6 @@ class Engine:
             with self._api_lock, tree.collector_paused():
                 state = (self._dist.reserve(state) if not local and self._distributed()
                          else self.saves.reserve(state))
-            tree.age_kept()
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:

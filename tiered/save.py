@@ -191,6 +191,7 @@ class SavePipeline:
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
         cpu.prepare(made.cpu)
+        tree.age_kept()  # (last: what the caller made for the saves, under torchrun too, is made by now)
         return made.raw_bytes
 
     def on_commit(self, hook: Callable[[int], None]) -> None:
