@@ -206,6 +206,38 @@ def test_a_skeleton_of_the_same_structure_is_made_of_the_nodes_made_before():
     assert tree.decode(second, lambda i: i)["model"]["1.bias"] == 3
 
 
+def test_a_dict_of_tensors_is_flattened_in_one_pass_and_its_node_kept_by_the_leaves_it_refers_to():
+    """A dict whose every value is a tensor (a model's state_dict, one parameter's optimizer
+    state) is flattened in one pass (`tree._tensor_dict`): the same skeleton and leaves as ever,
+    tied tensors referring to their first leaf, and its node kept for the next save of the same
+    keys and leaves; other sharing, or none, gets a node of its own."""
+    import json
+
+    w, b = torch.randn(4, 8), torch.zeros(3)
+
+    def state(tied):
+        return {"m": OrderedDict(a=w, b=b, tied=tied, rows=w.view(8, 4)),
+                "o": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(2)}}}
+
+    first, leaves = tree.flatten(state(w), share=True)
+    ref = [{"$tensor": i} for i in range(5)]
+    assert json.loads(json.dumps(first)) == {"$dict": [
+        ["m", {"$odict": [["a", ref[0]], ["b", ref[1]], ["tied", ref[0]], ["rows", ref[2]]]}],
+        ["o", {"$dict": [[0, {"$dict": [["step", ref[3]], ["exp_avg", ref[4]]]}]]}]]}
+    assert [tree.path_str(leaf.path) for leaf in leaves] == ["m.a", "m.b", "m.rows", "o[0].step", "o[0].exp_avg"]
+    assert leaves[2].tensor.shape == (8, 4) and leaves[0].tensor is w
+    again, _ = tree.flatten(state(w), share=True)
+    assert again["$dict"][0] is first["$dict"][0], "the same keys and leaves: the node and its pair made before"
+    own, leaves = tree.flatten(state(w.clone()), share=True)
+    assert own["$dict"][0][1] is not first["$dict"][0][1] and len(leaves) == 6
+    assert [r["$tensor"] for _, r in own["$dict"][0][1]["$odict"]] == [0, 1, 2, 3]
+    unshared, leaves = tree.flatten(state(w))
+    assert [r["$tensor"] for _, r in unshared["$dict"][0][1]["$odict"]] == [0, 1, 2, 3] and len(leaves) == 6
+    assert unshared["$dict"][0][1] is own["$dict"][0][1], "kept by the leaves it refers to, however they came"
+    with pytest.raises(StateDictError, match=r"o\[0\]\.exp_avg: torch.sparse_coo"):
+        tree.flatten({"o": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(2).to_sparse()}}})
+
+
 def test_flat_items_flatten_as_their_dict_would_without_a_walk():
     """A distributed save's items ({name: tensor}) are handed on already flattened: the same
     skeleton JSON and leaves as a walk of that dict gives, the skeleton made once per list of
