@@ -81,13 +81,16 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     if world() > 1:  # each rank's own shard, as under FSDP: DCP would otherwise save replicated keys once
         state = {f"rank{rank()}": state}
     state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
-    step_fn()  # activations and gradients allocated before the ballast is sized
-    sync(device)
     out: dict = {"ranks": world()}
     barrier()  # one rank measures the disk's ceilings, alone on it
     out["ceilings"] = gather(ceilings(min(state_bytes, 8 << 30), tensors_of(state)) if rank() == 0 else None)[0]
     if world() > 1:
         out["ceilings"]["disk_together"] = disk_together(root / "ceiling-together", min(state_bytes, 4 << 30))
+    # Activations and gradients allocated before the ballast is sized, after the ceilings: these
+    # end in `torch.cuda.empty_cache()`, which gave a step's activations back to the driver, so a
+    # ballast sized from what was then free left training too little (GPU run 248: out of memory).
+    step_fn()
+    sync(device)
     # The ballast is sized after the ceilings, which rank 0 alone measures: what their probes keep
     # on its GPU counts as used, so that every rank is left `free_gb`. With the ballast first, rank
     # 0 had 1.65 GB less free than rank 1 at its first save, each rank seeing only its own GPU (GPU
