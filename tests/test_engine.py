@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,7 +271,7 @@ def test_background_failure_is_raised_by_wait(tier_config, monkeypatch):
 
 
 @pytest.mark.parametrize("codec", ["zstd", "ans"])
-def test_small_budgets_work_in_waves(tier_config, device, codec):
+def test_small_budgets_work_in_waves(tier_config, device, codec, caplog):
     if codec == "ans" and device == "cpu":
         pytest.skip("CPU tensors are stored with zstd")
     # Budgets of a few chunks force many waves, spills and ring wrap-arounds in one save.
@@ -280,8 +282,14 @@ def test_small_budgets_work_in_waves(tier_config, device, codec):
             engine.save(step, state)
         engine.wait()
         target = zeros_like_state(state)
-        engine.restore(target, step=2)
+        with caplog.at_level(logging.INFO, logger="tiered"):
+            engine.restore(target, step=2)
     assert_same(state, target)
+    if device == "cuda":  # a GPU restore logs where its time went, wave by wave of its budget
+        waves = [int(m.group(1)) for r in caplog.records
+                 if (m := re.search(r"cuda:\d+: read .+ in (\d+) waves of up to .+ of which waiting on the reads",
+                                    r.getMessage()))]
+        assert len(waves) == 1 and waves[0] > 1, [r.getMessage() for r in caplog.records]
 
 
 def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypatch):

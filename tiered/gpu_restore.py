@@ -9,6 +9,8 @@ tensors. `tiered.gpu.GpuDevice.restore` is the entry; imported only when CUDA is
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,7 +20,9 @@ from tiered.codecs import get_codec
 from tiered.format import ALIGNMENT, TensorRecord, chunk_corruption
 from tiered.gpu_layout import PACK_ALIGN, bytes_of, file_runs, wave_bounds
 from tiered.tiers.local import drain_quietly, wait_futures
-from tiered.units import round_up
+from tiered.units import format_rate, format_size, round_up
+
+log = logging.getLogger("tiered")
 
 CHECKSUM_ROWS = 64
 """Rows checksummed per torch call (bounds the int64 temporaries)."""
@@ -66,17 +70,27 @@ def restore_on(device: Any, items: Sequence[tuple[TensorRecord, torch.Tensor]], 
         # this device's stream after what the caller has queued (zeros_like, fills, older users
         # of reused memory).
         device.stream.wait_stream(torch.cuda.current_stream(device.device))
+        t0 = time.perf_counter()
+        waited = 0.0
         current = _read_runs(reader, runs[0], staging[0])
         for w, (i, k) in enumerate(waves):
             pending = _read_runs(reader, runs[w + 1], staging[(w + 1) % 2]) if w + 1 < len(waves) else []
             try:
+                t1 = time.perf_counter()
                 wait_futures(current)
+                waited += time.perf_counter() - t1
                 _restore_wave(device, refs[i:k], runs[w], staging[w % 2], reader, slab, stride, pack, chunk_size,
                                    repair)
             except BaseException:
                 drain_quietly(current + pending)  # nothing may still write into buffers about to be freed
                 raise
             current = pending
+        took = time.perf_counter() - t0
+        read = sum(n for r in runs for _, n, _ in r)
+        # Where a restore's time went: a disk-bound one waits on its reads nearly all of it.
+        log.info("tiered: cuda:%d: read %s in %d waves of up to %s in %.2f s (%s), of which waiting on the reads "
+                 "%.2f s, verifying and decoding beside them %.2f s", device.index, format_size(read), len(waves),
+                 format_size(need), took, format_rate(read / took) if took > 0 else "-", waited, took - waited)
     for rec, dst, tmp in work:
         if tmp is not dst:
             dst.copy_(tmp)
