@@ -108,6 +108,63 @@ def test_ring_hands_out_rows_as_the_limit_grows():
     assert ring.try_acquire(4) == 4
 
 
+def test_a_drained_wave_takes_its_runs_pages_as_one_range_so_it_never_waits_holding_some():
+    """A wave drained in several runs takes one range of host pages for all of them before any
+    (`WavePages`). Taken run by run, the first run could land mid-ring and the next wait forever
+    for a gap that long, with nothing left to free it: the hang of GPU runs 219, 234, 241, 250."""
+    from tiered.staging import WavePages
+
+    ring = RowRing(10)
+    older = ring.acquire(3)  # (an older wave's pages, still being written: rows 0..2)
+    # Run by run: the first run of 4 takes rows 3..6; once the older wave is written, 6 rows are
+    # free, but in gaps of 3 and 3: the second run of 4 would wait forever.
+    first = ring.try_acquire(4)
+    ring.release(older)
+    assert first == 3 and ring.free_rows() == 6 and ring.try_acquire(4) is None
+    ring.release(first)
+
+    older = ring.acquire(3)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(WavePages(ring, [4, 4], RowRing.acquire)))
+    t.start()
+    time.sleep(0.05)
+    assert not got, "waits for one range of 8 rows, holding none meanwhile"
+    ring.release(older)
+    t.join(5)
+    assert got, "the wave got its pages once the older wave's were given back"
+    pages = got[0]
+    (a, release_a), (b, release_b) = pages.take(4), pages.take(4)
+    assert (a, b) == (0, 4) and release_a is release_b
+    release_a()
+    assert ring.free_rows() == 2, "the range is given back with the last run"
+    release_b()
+    assert ring.free_rows() == 10
+
+    single = WavePages(ring, [3], RowRing.acquire)
+    start, release = single.take(3)
+    assert single.whole is None and ring.free_rows() == 7
+    single.give_back()
+    assert ring.free_rows() == 10
+    failed = WavePages(ring, [2, 5], RowRing.acquire)
+    failed.take(2)
+    failed.give_back()  # (a failure before every run was copied: the whole range goes back once)
+    assert ring.free_rows() == 10
+
+
+def test_a_shared_release_takes_effect_at_its_last_call_from_any_thread():
+    ring = RowRing(4)
+    start = ring.acquire(4)
+    release = ring.release_after(start, 50)
+    threads = [threading.Thread(target=release) for _ in range(49)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ring.free_rows() == 0
+    release()
+    assert ring.free_rows() == 4
+
+
 def test_host_pool_pins_on_demand_block_by_block_in_the_background():
     pinned, unpinned, gate = [], [], threading.Event()
 

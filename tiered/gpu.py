@@ -42,7 +42,7 @@ from tiered.gpu_layout import Layout, Span
 from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import TensorPlan
-from tiered.staging import HostPool, RowRing
+from tiered.staging import HostPool, RowRing, WavePages
 from tiered.units import format_size, round_up
 
 log = logging.getLogger("tiered")
@@ -435,6 +435,7 @@ class GpuDevice:
         runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
         extents, bounds, offsets = extent_runs(sizes, limit)
         fused = gpu_checksum.available()
+        pages: WavePages | None = None
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
             try:
                 self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
@@ -443,23 +444,24 @@ class GpuDevice:
                     parts = gpu_checksum.partials(len(sizes), self.device)
                 else:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
+                pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire)
                 for i, k, total in bounds:
                     buf = staging[:total]
                     if fused:
                         gpu_checksum.pack_and_checksum(seg.rows, dev[0], parts, staging, dev[2], i, k)
                     else:
                         _gather_rows(seg, i, k, extents, buf)
-                    page = acquire(host.ring, host.pages(total))
+                    page, release = pages.take(host.pages(total))
                     dst = host.view(page, total)
-                    runs.append((i, k, dst, lambda p=page: host.ring.release(p)))
+                    runs.append((i, k, dst, release))
                     dst.copy_(buf, non_blocking=True)
                 if fused:
                     gpu_checksum.sum_partials(parts, dev[1])
                 io[1].copy_(dev[1], non_blocking=True)
             except BaseException:
                 self.writer_stream.synchronize()  # nothing issued here may still use the pages or rows
-                for _, _, _, release in runs:
-                    release()
+                if pages is not None:
+                    pages.give_back()
                 raise
             done = _recorded(self.writer_stream)
         self.note_copies(done)

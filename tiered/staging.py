@@ -99,6 +99,34 @@ class RowRing:
             self.limit = max(self.limit, min(limit, self.rows))
             self._cv.notify_all()
 
+    def release_after(self, start: int, calls: int) -> Callable[[], None]:
+        """A release of the run at `start` that takes effect at its `calls`-th call: one run
+        shared by `calls` users, each giving it back once, on any thread."""
+        left = [calls]
+        lock = threading.Lock()
+
+        def release() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self.release(start)
+        return release
+
+    def release_after(self, start: int, calls: int) -> Callable[[], None]:
+        """A release of the run at `start` that takes effect at its `calls`-th call: one run
+        shared by `calls` users, each giving it back once, on any thread."""
+        left = [calls]
+        lock = threading.Lock()
+
+        def release() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            self.release(start)
+        return release
+
     def release(self, start: int) -> None:
         with self._cv:
             for i, (s, _) in enumerate(self._live):
@@ -112,6 +140,37 @@ class RowRing:
     def free_rows(self) -> int:
         with self._cv:
             return self.limit - sum(c for _, c in self._live)
+
+
+class WavePages:
+    """Host pages for the runs of one drained wave (`GpuDevice.issue_drain`), taken in order with
+    `take(pages)` -> (first page, its release). All of them are taken as one range first where
+    the ring gives runs that long: a run that waited for pages while the wave's earlier runs held
+    some could wait forever, where those held the middle of the ring and no gap left was long
+    enough (small host budgets: the hang of GPU runs 219, 234, 241 and 250). `acquire(ring,
+    pages)` takes pages (it may wait for writes to give some back); `give_back()` after a
+    failure, once nothing copies into them any more."""
+
+    def __init__(self, ring: RowRing, pages: list[int], acquire: Callable[[RowRing, int], int]):
+        self.ring, self._acquire = ring, acquire
+        self._taken: list[Callable[[], None]] = []
+        self.whole = acquire(ring, sum(pages)) if len(pages) > 1 and sum(pages) <= ring.max_run else None
+        if self.whole is not None:
+            self._at, self._shared = self.whole, ring.release_after(self.whole, len(pages))
+
+    def take(self, pages: int) -> tuple[int, Callable[[], None]]:
+        if self.whole is None:
+            start = self._acquire(self.ring, pages)
+            self._taken.append(release := lambda: self.ring.release(start))
+            return start, release
+        start, self._at = self._at, self._at + pages
+        return start, self._shared
+
+    def give_back(self) -> None:
+        if self.whole is not None:
+            self.ring.release(self.whole)
+        for release in self._taken:
+            release()
 
 
 class HostPool:
