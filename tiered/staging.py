@@ -113,20 +113,6 @@ class RowRing:
             self.release(start)
         return release
 
-    def release_after(self, start: int, calls: int) -> Callable[[], None]:
-        """A release of the run at `start` that takes effect at its `calls`-th call: one run
-        shared by `calls` users, each giving it back once, on any thread."""
-        left = [calls]
-        lock = threading.Lock()
-
-        def release() -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            self.release(start)
-        return release
-
     def release(self, start: int) -> None:
         with self._cv:
             for i, (s, _) in enumerate(self._live):
