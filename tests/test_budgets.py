@@ -149,6 +149,9 @@ def test_a_drained_wave_takes_its_runs_pages_as_one_range_so_it_never_waits_hold
     failed.take(2)
     failed.give_back()  # (a failure before every run was copied: the whole range goes back once)
     assert ring.free_rows() == 10
+    with pytest.raises(tiered.TieredError, match=r"drains 45.06 kB .* budgets.host_buffer holds \(40.96 kB\)"):
+        WavePages(ring, [6, 5], RowRing.acquire)  # (more than the pool: its last run would wait forever)
+    assert ring.free_rows() == 10
 
 
 def test_a_shared_release_takes_effect_at_its_last_call_from_any_thread():

@@ -444,7 +444,7 @@ class GpuDevice:
                     parts = gpu_checksum.partials(len(sizes), self.device)
                 else:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
-                pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire)
+                pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
                 for i, k, total in bounds:
                     buf = staging[:total]
                     if fused:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from tiered import threads
+from tiered.errors import TieredError
 from tiered.units import format_size
 
 log = logging.getLogger("tiered")
@@ -135,9 +136,15 @@ class WavePages:
     some could wait forever, where those held the middle of the ring and no gap left was long
     enough (small host budgets: the hang of GPU runs 219, 234, 241 and 250). `acquire(ring,
     pages)` takes pages (it may wait for writes to give some back); `give_back()` after a
-    failure, once nothing copies into them any more."""
+    failure, once nothing copies into them any more. A wave the whole pool cannot hold at once
+    is refused, naming the budgets: its last run would wait forever for pages its first holds."""
 
-    def __init__(self, ring: RowRing, pages: list[int], acquire: Callable[[RowRing, int], int]):
+    def __init__(self, ring: RowRing, pages: list[int], acquire: Callable[[RowRing, int], int], page: int = 4096):
+        if sum(pages) > ring.rows:
+            raise TieredError(
+                f"a wave of this save drains {format_size(sum(pages) * page)} through pinned host memory, more than "
+                f"budgets.host_buffer holds ({format_size(ring.rows * page)}): raise budgets.host_buffer, or lower "
+                f"budgets.pack_buffer (a wave is what it holds)")
         self.ring, self._acquire = ring, acquire
         self._taken: list[Callable[[], None]] = []
         self.whole = acquire(ring, sum(pages)) if len(pages) > 1 and sum(pages) <= ring.max_run else None
