@@ -292,6 +292,26 @@ def test_small_budgets_work_in_waves(tier_config, device, codec, caplog):
         assert len(waves) == 1 and waves[0] > 1, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.gpu
+def test_a_wave_the_host_budget_cannot_hold_fails_its_save_and_names_the_budget(tier_config):
+    """A GPU save whose wave drains through more pinned host memory than budgets.host_buffer
+    holds fails with an error naming the budgets (before 4e400f3 its last run waited forever for
+    pages its first run held); the step before it stays restorable and later saves that fit go on."""
+    cfg = tier_config("ans", gpu_buffer="5MiB", pack_buffer="4MiB", host_buffer="1MiB")
+    cfg["chunk_size"] = "256KiB"  # (budgets must hold 4 chunks: a 1 MiB host budget needs chunks this small)
+    small = {"t": torch.randn(200_000, device="cuda")}  # (0.8 MB: fits the slab, nothing drains)
+    big = {f"t{i}": torch.randn(700_000, device="cuda") for i in range(6)}  # (waves of ~4 MiB drain)
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, small).wait()
+        with pytest.raises(tiered.BackgroundSaveError, match=r"budgets\.host_buffer holds .*budgets\.pack_buffer"):
+            engine.save(2, big).wait(timeout=60)
+        assert engine.latest_step() == 1
+        engine.save(3, small).wait(timeout=60)  # (the engine goes on saving what fits)
+        target = zeros_like_state(small)
+        engine.restore(target, step=1)
+    assert_same(small, target)
+
+
 def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypatch):
     """A CPU save's records of its chunks (one object per chunk, kept from save to save) are made
     by `reserve()`, not in the first save's call."""
