@@ -13,6 +13,7 @@ import torch
 
 import tiered
 from tiered.config import ZstdSettings
+from tiered.gpu_recode import GpuRecoder
 from tiered.probe import Sample, measure, sample_positions, tier_bandwidth
 from conftest import HAS_GPU
 from helpers import assert_same, trained_model
@@ -163,7 +164,7 @@ def test_codec_auto_on_gpu_takes_the_save_codecs_rate_from_the_save_and_little_m
         base = torch.cuda.memory_allocated()
         stream = torch.cuda.Stream()
         got = {s.name: s for s in measure(sample, ["ans", "zstd", "none"], pool=engine.saves.workers.pool,
-                                          settings=ZstdSettings(), gpu=device, slots=4, stream=stream,
+                                          settings=ZstdSettings(), gpu=GpuRecoder(device), slots=4, stream=stream,
                                           rates={"ans": 5e10})}
         # the sample (4 MiB) as one batch: its copy, pack and slab, not batch_chunks of them
         assert torch.cuda.max_memory_allocated() - base < 32 << 20

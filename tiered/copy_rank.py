@@ -4,8 +4,7 @@
 (ranged reads across tensor boundaries, several ahead), verify every chunk's checksum, keep the
 chunk or decode and re-encode it (the CPU pool for codecs a CPU runs, a `GpuRecoder` for the
 others), and write the results end to end, behind on a thread of their own; it returns the
-rank's new index. Also the GPU side of migration and of
-codec sampling (`GpuRecoder`, `make_gpu_recoder`).
+rank's new index. The GPU side of migration (`GpuRecoder`) is tiered.gpu_recode's.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import mmap
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -26,9 +24,10 @@ from tiered.checksum import wsum64
 from tiered.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decode_into, read_chunk, verified
 from tiered.errors import CodecUnavailableError
 from tiered.format import ALIGNMENT, ChunkTable, CodecSpec, RankIndex, TensorRecord
-from tiered.runtime import gpu_stack_available
-from tiered.tiers import device_reader
 from tiered.units import round_up
+
+if TYPE_CHECKING:
+    from tiered.gpu_recode import GpuRecoder
 
 
 def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
@@ -465,110 +464,3 @@ def tensor_chunks(step, src, index: RankIndex, rec: TensorRecord, spec: CodecSpe
     finally:
         if dev_reader is not None:
             dev_reader.close()
-
-
-class GpuRecoder:
-    """The GPU side of migration (and of codec sampling), on a GpuDevice of its own so its work
-    never queues behind a save's: decodes stored chunks (reading through KvikIO where the tier
-    reads into GPU memory) and encodes chunks with GPU codecs, a window of `batch_chunks` at a time."""
-
-    def __init__(self, device: Any):
-        self.device = device
-
-    def reader(self, src: Any, step: int, index: RankIndex) -> Any:
-        """A reader of the rank's data file into GPU memory (KvikIO, or staged through the host)."""
-        return device_reader(src, step, index.data_file)
-
-    def decode_window(self, reader: Any, rec: TensorRecord, lo: int, hi: int, chunk_size: int) -> torch.Tensor:
-        """Chunks lo..hi-1 of `rec`, decoded on the GPU into one 1-D uint8 GPU tensor (chunk k of
-        the window at k * chunk_size)."""
-        part = rec.chunks[lo:hi]
-        elem = torch.empty((), dtype=rec.torch_dtype).element_size()
-        one = replace(rec, shape=(sum(c.raw_size for c in part) // elem,), chunks=part)
-        out = torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)
-        self.device.restore([(one, out)], reader, chunk_size)
-        return out.view(torch.uint8)
-
-    def host_window(self, chunk_size: int) -> torch.Tensor:
-        """A pinned host buffer for the windows `decode_refs` decodes: `batch_chunks` chunks of
-        `chunk_size` bytes. That holds any window, each tensor's run of chunks 16-byte aligned: a
-        run of n chunks has at most n * chunk_size bytes, a multiple of 16. From torch's caching
-        host allocator, which rounds sizes up to a power of two (so not a few bytes more) and keeps
-        them: one step's copy reuses the last one's."""
-        return torch.empty(self.batch_chunks * chunk_size, dtype=torch.uint8, pin_memory=True)
-
-    def decode_refs(self, reader: Any, refs: list[tuple[TensorRecord, int]], chunk_size: int,
-                    host: torch.Tensor) -> tuple[np.ndarray, list[int]]:
-        """Chunks `refs` (tensor record, chunk number; each tensor's in order, of any tensors; at
-        most `batch_chunks`), decoded on the GPU in one batched call and copied into `host` (a
-        `host_window`): (the bytes, a view of `host`; each chunk's offset in them)."""
-        runs: list[list[Any]] = []  # [record, first chunk, end]
-        for rec, j in refs:
-            if runs and runs[-1][0] is rec and runs[-1][2] == j:
-                runs[-1][2] = j + 1
-            else:
-                runs.append([rec, j, j + 1])
-        starts, at = [], 0
-        for rec, lo, hi in runs:
-            at = -(-at // 16) * 16  # each run's start aligned for a typed view of its dtype
-            starts.append(at)
-            at += sum(c.raw_size for c in rec.chunks[lo:hi])
-        buf = torch.empty(at, dtype=torch.uint8, device=self.device.device)
-        items, offsets = [], []
-        for (rec, lo, hi), start in zip(runs, starts):
-            part = rec.chunks[lo:hi]
-            n = sum(c.raw_size for c in part)
-            items.append((replace(rec, shape=(n // rec.torch_dtype.itemsize,), chunks=part),
-                          buf[start:start + n].view(rec.torch_dtype)))
-            for c in part:
-                offsets.append(start)
-                start += c.raw_size
-        self.device.restore(items, reader, chunk_size)
-        host[:at].copy_(buf)
-        return host[:at].numpy(), offsets
-
-    def decode_chunks(self, src: Any, step: int, index: RankIndex,
-                      picks: list[tuple[TensorRecord, int]]) -> list[torch.Tensor]:
-        """Single chunks (tensor record, chunk number), decoded on the GPU, as uint8 GPU tensors."""
-        items = []
-        for rec, j in picks:
-            c = rec.chunks[j]
-            one = replace(rec, shape=(c.raw_size // torch.empty((), dtype=rec.torch_dtype).element_size(),),
-                          chunks=(c,))
-            items.append((one, torch.empty(one.shape, dtype=rec.torch_dtype, device=self.device.device)))
-        reader = self.reader(src, step, index)
-        try:
-            self.device.restore(items, reader, index.chunk_size)
-        finally:
-            reader.close()
-        return [t.reshape(-1).view(torch.uint8) for _, t in items]
-
-    def encode_chunks(self, chunks: list[torch.Tensor], spec: CodecSpec) -> list[bytes]:
-        return self.device.encode_chunks(chunks, spec)
-
-    def measure_encode(self, chunks: list[torch.Tensor], spec: CodecSpec, *, slots: int | None = None,
-                       stream: Any = None) -> tuple[float, int]:
-        return self.device.measure_encode(chunks, spec, slots=slots, stream=stream)
-
-    @property
-    def batch_chunks(self) -> int:
-        return self.device.batch_chunks
-
-
-def make_gpu_recoder(config: Any, index: int | None = None) -> GpuRecoder | None:
-    """A GpuRecoder on CUDA device `index` (made the calling thread's current one; None: the
-    current one) with migration-sized buffers (at most 512 MiB of slab and 128 MiB of pack
-    buffer, beside whatever training holds), or None without GPU codecs."""
-    if not gpu_stack_available():
-        return None
-    if index is not None:
-        torch.cuda.set_device(index)
-    from tiered.config import Budgets
-    from tiered.gpu import GpuDevice
-    from tiered.staging import HostPool
-
-    b = config.budgets
-    budgets = Budgets(gpu_buffer=min(b.gpu_buffer or 512 << 20, 512 << 20), pack_buffer=min(b.pack_buffer, 128 << 20),
-                      host_buffer=64 << 20)
-    return GpuRecoder(GpuDevice(torch.cuda.current_device(), config.chunk_size, budgets, config.zstd,
-                                HostPool(64 << 20, page=4096), priority=0))

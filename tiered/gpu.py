@@ -33,13 +33,12 @@ from tiered import gpu_checksum
 from tiered.budgets import auto_gpu_buffer
 from tiered.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
-from tiered.codecs.base import Codec, PendingSizes
 from tiered.config import Budgets, ZstdSettings
 from tiered.errors import TieredError
 from tiered.chunks import ALIGNMENT, extent_runs
 from tiered.format import TensorRecord
 from tiered.gpu_layout import Layout, Span
-from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes
+from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, encode_slots
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
 from tiered.plan import TensorPlan
 from tiered.staging import HostPool, RowRing, WavePages
@@ -198,7 +197,7 @@ class GpuDevice:
                 enc.wait_stream(self.stream)
                 with torch.cuda.device(self.index), torch.cuda.stream(enc):
                     out = torch.empty(stride, dtype=torch.uint8, device=self.device)
-                    self._encode_slots(codec, [pack[:n]], pack, out, stride, enc, packed=True).sizes()
+                    encode_slots(codec, [pack[:n]], pack, out, stride, enc, self.chunk_size, packed=True).sizes()
 
     def _ensure(self, specs: Sequence[Any], nchunks: int) -> None:
         stride = self._stride_for(specs)
@@ -488,90 +487,11 @@ class GpuDevice:
         if slot >= 0:
             self._busy[slot] = (writer, future)
 
-    # --- migration and measurement -----------------------------------------------------
     @property
     def batch_chunks(self) -> int:
-        """Chunks per batched codec call outside saves (migration, measurement): what the pack
-        buffer holds, at most 256. nvCOMP's throughput grows with the batch (GPU zstd most)."""
+        """Chunks per batched codec call outside saves (migration, measurement: tiered.gpu_recode):
+        what the pack buffer holds, at most 256. nvCOMP's throughput grows with the batch (GPU zstd most)."""
         return max(1, min(self.budgets.pack_buffer // self.chunk_size, 256))
-
-    def _encode_slots(self, codec: Any, srcs: Sequence[torch.Tensor], pack: torch.Tensor, slab: torch.Tensor,
-                      stride: int, stream: torch.cuda.Stream | None = None, packed: bool = False) -> PendingSizes:
-        """Pack `srcs` (1-D uint8 on this GPU, at most chunk_size bytes each) one per chunk slot of
-        `pack` and encode them in one batched call into rows of `stride` bytes of `slab`; on the
-        current stream (`stream`, default self.stream), as a save's wave does; `packed`: `pack`
-        holds them already."""
-        cs = self.chunk_size
-        for src in srcs:
-            if src.numel() > cs:
-                raise ValueError(f"chunk of {src.numel()} bytes exceeds chunk_size {cs}")
-        if not packed and type(codec).pack is Codec.pack:
-            torch._foreach_copy_([pack[k * cs:k * cs + src.numel()] for k, src in enumerate(srcs)], list(srcs))
-        elif not packed:
-            for k, src in enumerate(srcs):
-                codec.pack(pack[k * cs:k * cs + src.numel()], src, cs)
-        return codec.encode_batch(stream or self.stream, cs, pack, [k * cs for k in range(len(srcs))],
-                                  [src.numel() for src in srcs], slab, [k * stride for k in range(len(srcs))], stride)
-
-    def encode_chunks(self, chunks: Sequence[torch.Tensor], spec: Any) -> list[bytes]:
-        """Encode `chunks` (1-D uint8 tensors of at most chunk_size bytes, on the host or this
-        GPU) with `spec` on the GPU, each chunk independently as a save would; return each chunk's
-        stored bytes in host memory. Uses buffers of its own (`batch_chunks` chunks at a time),
-        never the save slab, so it can run beside saves."""
-        codec = get_codec(spec, self.zstd)
-        cs = self.chunk_size
-        stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
-        per = max(1, min(len(chunks), self.batch_chunks))
-        out: list[bytes] = []
-        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
-            pack = torch.empty(per * cs, dtype=torch.uint8, device=self.device)
-            slab = torch.empty(per * stride, dtype=torch.uint8, device=self.device)
-            for w in range(0, len(chunks), per):
-                part = [c.to(self.device, non_blocking=True) for c in chunks[w:w + per]]
-                sizes = self._encode_slots(codec, part, pack, slab, stride).sizes()
-                host = slab[:len(part) * stride].cpu().numpy()
-                out.extend(host[k * stride:k * stride + n].tobytes() for k, n in enumerate(sizes))
-        return out
-
-    def measure_encode(self, chunks: Sequence[torch.Tensor], spec: Any, *, slots: int | None = None,
-                       stream: torch.cuda.Stream | None = None) -> tuple[float, int]:
-        """(seconds, stored bytes) to encode `chunks` (1-D uint8, at most chunk_size bytes each;
-        moved to this GPU and packed first, untimed) on the GPU: one batched call, timed with CUDA
-        events after a warm-up call, on `stream` (default self.stream).
-
-        The sample is repeated to `slots` chunks (default `batch_chunks`, a full batch; never
-        fewer than the sample) and the time is scaled back to the sample's bytes: nvCOMP's
-        throughput grows with the batch (zstd: 0.4 GB/s for 16 chunks, several GB/s for
-        hundreds), so a batch smaller than a save's measures a lower bound. The buffers take
-        `slots` × (chunk_size + the codec's bound) of new GPU memory. The timed call encodes what
-        the warm-up call packed: the encode alone, after this device's kernels are compiled (its
-        warm-up thread, compiling beside the timed call, held the host up for longer than the GPU
-        was kept busy: ANS timed at 9-17 GB/s, against ~260 GB/s in a save's own waves)."""
-        codec = get_codec(spec, self.zstd)
-        cs, n = self.chunk_size, len(chunks)
-        slots = max(n, self.batch_chunks if slots is None else slots)
-        stride = round_up(codec.max_stored_size(cs), ALIGNMENT)
-        stream = stream or self.stream
-        self.wait_warm()
-        with torch.cuda.device(self.index), torch.cuda.stream(stream):
-            src = [c.to(self.device) for c in chunks]
-            srcs = [src[k % n] for k in range(slots)]
-            pack = torch.empty(slots * cs, dtype=torch.uint8, device=self.device)
-            slab = torch.empty(slots * stride, dtype=torch.uint8, device=self.device)
-            self._encode_slots(codec, srcs, pack, slab, stride, stream).sizes()  # warm-up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            # Keep the GPU busy while the host enqueues the timed work (nvCOMP builds its batch
-            # descriptors on the host), so the events time GPU work, not host latency.
-            sleep = getattr(torch.cuda, "_sleep", None)
-            if sleep is not None:
-                sleep(50_000_000)
-            start.record(stream)
-            pending = self._encode_slots(codec, srcs, pack, slab, stride, stream, packed=True)
-            end.record(stream)
-            end.synchronize()
-            sizes = pending.sizes()
-        seconds = start.elapsed_time(end) / 1e3 * sum(s.numel() for s in src) / sum(s.numel() for s in srcs)
-        return seconds, sum(sizes[:n])
 
     # --- restore -----------------------------------------------------------------------
     def restore(self, items: Sequence[tuple[TensorRecord, torch.Tensor]], reader: Any, chunk_size: int,

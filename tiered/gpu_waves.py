@@ -1,19 +1,39 @@
 """A save's GPU waves between the stager and the writer (`tiered.gpu`, `tiered.gpu_write`): the
-compressed rows of each wave with their sizes, a drained wave's host copies, and the GPU time of
-a save's encodes. Imported only when CUDA is in use.
+compressed rows of each wave with their sizes, a drained wave's host copies, the GPU time of a
+save's encodes, and the batched encode into rows that encodes outside a save use (`encode_slots`).
+Imported only when CUDA is in use.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from tiered.checksum import unsigned
-from tiered.codecs.base import PendingSizes
+from tiered.codecs.base import Codec, PendingSizes
 from tiered.plan import ChunkRef
+
+
+def encode_slots(codec: Any, srcs: Sequence[torch.Tensor], pack: torch.Tensor, slab: torch.Tensor, stride: int,
+                 stream: torch.cuda.Stream, chunk_size: int, packed: bool = False) -> PendingSizes:
+    """Pack `srcs` (1-D uint8 on the GPU, at most `chunk_size` bytes each) one per chunk slot of
+    `pack` and encode them in one batched call into rows of `stride` bytes of `slab`, on `stream`,
+    as a save's wave does; `packed`: `pack` holds them already. For encodes outside a save's waves
+    (a device's first run, migration, codec measurement: tiered.gpu_recode)."""
+    cs = chunk_size
+    for src in srcs:
+        if src.numel() > cs:
+            raise ValueError(f"chunk of {src.numel()} bytes exceeds chunk_size {cs}")
+    if not packed and type(codec).pack is Codec.pack:
+        torch._foreach_copy_([pack[k * cs:k * cs + src.numel()] for k, src in enumerate(srcs)], list(srcs))
+    elif not packed:
+        for k, src in enumerate(srcs):
+            codec.pack(pack[k * cs:k * cs + src.numel()], src, cs)
+    return codec.encode_batch(stream, cs, pack, [k * cs for k in range(len(srcs))], [src.numel() for src in srcs],
+                              slab, [k * stride for k in range(len(srcs))], stride)
 
 
 class WaveSizes:

@@ -30,11 +30,12 @@ from typing import Any, Callable
 from tiered import checksum, threads
 from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
-from tiered.copy_rank import GpuRecoder, Prefetched, copy_rank, make_gpu_recoder, target_spec
+from tiered.copy_rank import Prefetched, copy_rank, target_spec
 from tiered.cpu import WindowBuffers, read_chunk
 from tiered.errors import TieredError
 from tiered.format import (MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_manifest,
                            read_pinned, read_rank_index)
+from tiered.gpu_recode import GpuRecoder, make_gpu_recoder
 from tiered.policy import choose_codec, evictable
 from tiered.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.records import RecordLog, migrate_record, records_root

@@ -31,6 +31,7 @@ import torch
 from tiered import threads
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig, ZstdSettings
+from tiered.gpu_recode import GpuRecoder
 from tiered.policy import CodecSample, choose_codec
 from tiered.units import format_rate
 
@@ -149,13 +150,13 @@ def _nbytes(raw: Raw) -> int:
 def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, settings: ZstdSettings,
             gpu: Any = None, cpu_first: bool = False, slots: int | None = None, stream: Any = None,
             rates: Mapping[str, float] | None = None) -> list[CodecSample]:
-    """Each codec in `names` on `sample`: encoded on the GPU (`gpu`: a GpuDevice) when the codec
+    """Each codec in `names` on `sample`: encoded on the GPU (`gpu`: a GpuRecoder) when the codec
     runs there and a GPU is given, else on the CPU pool; with `cpu_first`, codecs that have a CPU
     encoder are measured on the CPU (where the migrator runs them). Chunks already stored with a
     codec are kept as they are (no encode time, their stored size).
 
     GPU encodes run on `stream` (default the device's own), the sample repeated to `slots`
-    chunks (default a full batch: `GpuDevice.measure_encode`). `rates` (bytes/s of GPU encode,
+    chunks (default a full batch: `GpuRecoder.measure_encode`). `rates` (bytes/s of GPU encode,
     by codec name, as a save measured them: `tiered.gpu_waves.EncodeClock`) stand for the
     sample's throughput of those codecs; the sample still gives their ratio."""
     out = []
@@ -310,7 +311,8 @@ class FastTierCodec:
             slots = None
             if gpu is not None:
                 slots = len(copies) if clock is not None else self._small_state_slots(gpu, nchunks)
-            samples = measure(sample, names, pool=self.pool, settings=self.config.zstd, gpu=gpu, slots=slots,
+            samples = measure(sample, names, pool=self.pool, settings=self.config.zstd,
+                              gpu=GpuRecoder(gpu) if gpu is not None else None, slots=slots,
                               stream=stream, rates=clock.rates() if clock is not None else None)
             bandwidth = tier_bandwidth(cfg, self.tier)
             if not cfg.bandwidth:  # a configured bandwidth wins
