@@ -1,10 +1,11 @@
-"""The GPU side of migration and of codec measurement: `GpuRecoder`, on a `tiered.gpu.GpuDevice`
-of its own so that its work never queues behind a save's.
+"""The GPU side of migration and of codec measurement: `GpuRecoder`, over a `tiered.gpu.GpuDevice`.
 
 It decodes stored chunks on the GPU (reading through KvikIO where the tier reads into GPU
 memory), encodes chunks with GPU codecs a batch at a time, and times a codec's encode for the
-codec policy. `tiered.copy_rank` and `tiered.migrator` are handed one (`make_gpu_recoder`); this
-module imports without CUDA, and the GPU modules only where one is made.
+codec policy. Migration makes one on a device of its own (`make_gpu_recoder`), so that its work
+never queues behind a save's, and hands it to `tiered.copy_rank`; the codec policy
+(`tiered.probe`) wraps the saving engine's device. This module imports without CUDA, and the
+GPU modules only where a device is made or used.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from tiered.units import round_up
 
 
 class GpuRecoder:
-    """The GPU side of migration (and of codec sampling), on a GpuDevice of its own so its work
-    never queues behind a save's: decodes stored chunks (reading through KvikIO where the tier
-    reads into GPU memory) and encodes chunks with GPU codecs, a window of `batch_chunks` at a time."""
+    """The GPU side of migration and of codec measurement, over `device` (a GpuDevice): decodes
+    stored chunks (reading through KvikIO where the tier reads into GPU memory) and encodes
+    chunks with GPU codecs, a window of `batch_chunks` at a time, in buffers of its own (never a
+    save's slab)."""
 
     def __init__(self, device: Any):
         self.device = device
