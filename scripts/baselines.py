@@ -167,6 +167,7 @@ def gpu_codec_gbps(state_tensors: list[torch.Tensor], chunk_size: int = 1 << 20,
     from tiered.codecs import get_codec_class
     from tiered.config import Budgets, ZstdSettings
     from tiered.gpu import GpuDevice
+    from tiered.gpu_recode import GpuRecoder
     from tiered.staging import HostPool
 
     pieces = []
@@ -177,8 +178,8 @@ def gpu_codec_gbps(state_tensors: list[torch.Tensor], chunk_size: int = 1 << 20,
         if len(pieces) >= chunks:
             break
     pieces = pieces[:chunks]
-    dev = GpuDevice(torch.cuda.current_device(), chunk_size, Budgets(pack_buffer=chunks * chunk_size),
-                    ZstdSettings(), HostPool(64 << 20, 4096))
+    dev = GpuRecoder(GpuDevice(torch.cuda.current_device(), chunk_size, Budgets(pack_buffer=chunks * chunk_size),
+                               ZstdSettings(), HostPool(64 << 20, 4096)))
     out = {}
     for name in ("ans", "zstd"):
         seconds, stored = dev.measure_encode(pieces, get_codec_class(name).spec_for(torch.float32))
