@@ -321,7 +321,7 @@ class Restorer:
         def leaf_at(i: int, name: str) -> Any:
             if name in given:
                 return given[name]
-            return dests[i].numpy() if i in numpy_leaves else dests[i]
+            return dests[i].cpu().numpy() if i in numpy_leaves else dests[i]  # (numpy: on the host, whatever `device`)
 
         return tree.decode_at(index.skeleton, leaf_at), tier.name
 
