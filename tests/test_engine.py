@@ -270,7 +270,7 @@ def test_background_failure_is_raised_by_wait(tier_config, monkeypatch):
         engine.wait()  # raised once, not forever
 
 
-@pytest.mark.parametrize("codec", ["zstd", "ans"])
+@pytest.mark.parametrize("codec", ["zstd", "ans", "none"])
 def test_small_budgets_work_in_waves(tier_config, device, codec, caplog):
     if codec == "ans" and device == "cpu":
         pytest.skip("CPU tensors are stored with zstd")

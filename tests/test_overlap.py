@@ -169,12 +169,13 @@ def test_detached_aliases_of_optimizer_state_are_guarded_not_strict(tier_config,
 
 
 @pytest.mark.gpu
-def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path):
+@pytest.mark.parametrize("codec", ["ans", "none"])
+def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path, codec):
     """save() returns before the GPU has read the state; the caller lets it go at once and new
     tensors on the training stream take the freed memory and overwrite it. The engine holds what
     it reads until read (it marks no tensor's memory for its own stream), so the step has the
     state as it was at save()."""
-    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": "ans"}]}
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": codec}]}
     g = torch.Generator(device="cuda").manual_seed(2)
     param = torch.zeros(16, device="cuda", requires_grad=True)
     with tiered.Engine.from_config(cfg) as engine:

@@ -40,6 +40,7 @@ from tiered.format import TensorRecord
 from tiered.gpu_layout import Layout, Span
 from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, encode_slots
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
+from tiered.host_copy import HostCopier, copies_to_host
 from tiered.plan import TensorPlan
 from tiered.staging import HostPool, RowRing, WavePages
 from tiered.units import format_size, round_up
@@ -91,6 +92,8 @@ class GpuDevice:
     _clock: EncodeClock | None = field(default=None, init=False)
     _copies: torch.cuda.Event | None = field(default=None, init=False)
     """Recorded after the last copies to the host that a drain issued (`note_copies`)."""
+    _copier: HostCopier | None = field(default=None, init=False)
+    _split: tuple[Any, Any, Any] | None = field(default=None, init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
     """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
 
@@ -165,7 +168,11 @@ class GpuDevice:
         Python took ~0.1 s of a 24 GB state's first save, beside the training loop). The slab is
         not allocated here: it is sized from the GPU memory free at the first save, once training
         holds its own. The layout is built for the fewest rows the slab can have, and kept where
-        no wave was cut at that count (`Layout.fits`)."""
+        no wave was cut at that count (`Layout.fits`). Plans copied to the host as they are
+        (tiered.host_copy) only get their layout: they need no GPU buffer and run no kernel."""
+        copied, plans = self._split_plans(plans)
+        if copied:
+            self._host_copier().layout(copied)
         if not any(p.nbytes for p in plans):
             return
         stride = self._stride_for({p.spec for p in plans})
@@ -179,6 +186,19 @@ class GpuDevice:
                          len(self._layout.waves))
             if self._slab is None:  # (no save yet: nothing else uses the pack buffer; a save's _ensure waits)
                 self._first_run(self._layout, tensors)
+
+    def _split_plans(self, plans: Sequence[TensorPlan]) -> tuple[Sequence[TensorPlan], Sequence[TensorPlan]]:
+        """(plans copied to the host as they are, plans encoded into the slab); the same objects
+        while `plans` is (the layouts are cached on their identity)."""
+        if self._split is None or self._split[0] is not plans:
+            copied = tuple(p for p in plans if copies_to_host(p))
+            self._split = (plans, copied, tuple(p for p in plans if not copies_to_host(p)) if copied else plans)
+        return self._split[1], self._split[2]
+
+    def _host_copier(self) -> HostCopier:
+        if self._copier is None:
+            self._copier = HostCopier(self.index, self.host, self.chunk_size, self.priority)
+        return self._copier
 
     def _first_run(self, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Run a save's kernels once now, not in the first save: pack what the first wave packs (its
@@ -227,7 +247,8 @@ class GpuDevice:
               emit: Callable[[RowsSegment], None], on_block: Callable[[], None],
               after: torch.cuda.Event | None = None) -> torch.cuda.Event:
         """Pack and compress `plans` (all on this device; their tensors are `tensors[plan.index]`)
-        into slab rows, emitting segments.
+        into slab rows, emitting segments; plans stored as they are (`codec: none`) are copied
+        into host pages by the copy engines instead (tiered.host_copy: HostSegments).
 
         Returns the event after which the tensors may change. Without `after`, the work follows
         the current stream, and the current stream waits on that event. With `after` (an event
@@ -241,20 +262,36 @@ class GpuDevice:
         could be handed out and overwritten while still being read. If staging fails, this waits
         for the reads already issued before raising, so the caller may let the tensors go at once.
         """
+        self.timings = {}
+        copied, plans = self._split_plans(plans)
         with torch.cuda.device(self.index), torch.no_grad():
+            copies = None
+            if copied:  # (`codec: none`: by the copy engines, straight from the tensors: tiered.host_copy)
+                try:
+                    copies = self._host_copier().stage(copied, tensors, emit, on_block, after, self.timings)
+                except BaseException:
+                    if self._copier is not None:
+                        self._copier.stream.synchronize()
+                    raise
+                if not plans:
+                    return copies
             try:
-                return self._stage(plans, tensors, emit, on_block, after)
+                done = self._stage(plans, tensors, emit, on_block, after)
             except BaseException:
                 self.stream.synchronize()
                 for enc in self.encode_streams:  # (a batch issued before the failure may still
                     enc.synchronize()            # write rows the next save is handed)
                 raise
+            if copies is None:
+                return done
+            self.stream.wait_event(copies)
+            return _recorded(self.stream)
 
     def _stage(self, plans, tensors, emit, on_block, after) -> torch.cuda.Event:
         clock = time.perf_counter
-        t = {"layout_ms": 0.0, "pack_ms": 0.0, "wait_encoder_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0,
-             "emit_ms": 0.0}
-        self.timings = t
+        t = self.timings
+        t.update({"layout_ms": 0.0, "pack_ms": 0.0, "wait_encoder_ms": 0.0, "encode_ms": 0.0, "wait_rows_ms": 0.0,
+                  "emit_ms": 0.0})
         t0 = clock()
         if not any(p.nbytes for p in plans):
             return after if after is not None else _recorded(torch.cuda.current_stream(self.device))

@@ -22,6 +22,9 @@ from tiered.units import format_size
 
 log = logging.getLogger("tiered")
 
+CHECKSUM_THREADS = 2
+"""Threads of `Workers.checksums`: at ~2-3 GB/s each, ahead of a disk's writes per GPU."""
+
 
 def gpu_stack_available() -> bool:
     """CUDA, nvCOMP and KvikIO are all present: GPU tensors can be compressed on the GPU."""
@@ -48,6 +51,10 @@ class Workers:
         workers = config.zstd.threads or os.cpu_count() or 1
         self.pool = threads.pool(workers, "tiered-codec")
         """CPU codec work (zstd encode and decode release the GIL)."""
+        self.checksums = threads.pool(CHECKSUM_THREADS, "tiered-checksum", initializer=threads.lower_priority)
+        """Checksums of GPU tensors copied to the host as they are (tiered.host_copy): few threads,
+        at a lower priority, so that they never take the CPU from the training loop (run 259: the
+        codec pool's 16 threads summing beside training slowed the step after each save by 0.7-1.4 s)."""
         self.host = host_pool(config.budgets.host_buffer)
         """Host staging memory: pinned in the background, as saves need it, where CUDA exists."""
         self._devices: dict[int, Any] = {}
@@ -88,6 +95,7 @@ class Workers:
     def close(self) -> None:
         """Stop the codec pool and let the GPU and host staging memory go (nothing may be staged)."""
         self.pool.shutdown()
+        self.checksums.shutdown()
         self._devices.clear()
         self.host.close()
 

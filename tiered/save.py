@@ -15,7 +15,8 @@ after this rank's index, because the step is committed once every rank's files a
          (with `guard(optimizer)`: the stage runs on the stager thread instead, `save()`
          returns at once, and the optimizer's next step waits for the reads: tiered.overlap)
     writer thread, per staged segment, in order:
-      -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU
+      -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; GPU tensors
+         stored as they are (`codec: none`) copied to host pages and checksummed on the pool
       -> each chunk placed at the next aligned offset; runs of rows written as one extent
          (from the GPU, or drained through pinned host memory where the state outgrows the slab)
       -> data file closed (fsync)                             `_write_rank`
@@ -43,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered import checksum, cpu, threads, tree
+from tiered import checksum, cpu, host_copy, threads, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
@@ -504,6 +505,9 @@ class SavePipeline:
                     offset = place(seg.chunks, [e[1] for e in encoded], [e[2] for e in encoded])
                     for at, extents in cpu.joined_extents([e[0] for e in encoded], JOINED_WRITE_BYTES):
                         writer.write_host(offset + at, extents)
+                elif isinstance(seg, host_copy.HostSegment):
+                    rows.flush()
+                    host_copy.write_segment(seg, writer, place, self.workers.checksums, job.handle.timings)
                 else:
                     rows.add(seg)
             data_bytes = writer.close()

@@ -11,6 +11,7 @@ and thread pool of the engine that may touch CUDA is made here.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -57,3 +58,13 @@ def pool(workers: int | None, prefix: str, initializer: Callable[[], Any] | None
     call `initializer`)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix,
                               initializer=on_gpu(current_gpu() if gpu is None else gpu, initializer))
+
+
+def lower_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to the process's other threads (Linux: its own nice
+    value, raised by `niceness`; elsewhere nothing). For CPU-heavy engine work beside training."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except (AttributeError, OSError):
+        pass
