@@ -283,7 +283,7 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=3, help="scale mode: saves per method (the first one cold)")
     ap.add_argument("--window-steps", type=int, default=6, help="scale mode: training steps per measured window")
     ap.add_argument("--methods", default="tiered,tiered_overlap,dcp_pinned,dcp_stager,torch_save",
-                    help="scale mode: which rows, in order")
+                    help="scale mode: which rows, in order; a tiered row may pin its codec: tiered_overlap:none")
     ap.add_argument("--gil-watch", action="store_true",
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                          "and where the engine's threads were then (scripts/gil_watch.py; it costs a little GIL)")

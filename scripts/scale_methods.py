@@ -20,6 +20,9 @@ def tiered_engine(run: Run) -> Any:
     """The size's tiered engine, made (and its host memory pinned, its saves laid out) the first
     time a tiered row asks."""
     engine = run.shared.get("engine")
+    if engine is not None and run.shared.get("codec") != run.codec:  # (a row of another codec: its own engine)
+        close_shared(run)
+        engine = None
     if engine is None:
         cfg = tiered.load_config(None)
         doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered"),
@@ -28,7 +31,7 @@ def tiered_engine(run: Run) -> Any:
         engine = run.shared["engine"] = tiered.Engine.from_config(doc)
         engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
         engine.wait_pinned()
-        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0, gpu_free0=gpu0)
+        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0, gpu_free0=gpu0, codec=run.codec)
         say(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s")
     return engine
 

@@ -674,9 +674,11 @@ def test_the_bench_counts_full_collections_by_thread():
     assert full.ms >= full.engine_ms > 0 and full.engine_ms == round(full.runs[1][1], 1)
 
 
-def test_the_scale_bench_judges_durable_and_restore_from_the_overlapped_row_run_alone():
+def test_the_scale_bench_judges_every_tiered_row_the_overlapped_one_run_alone_too():
     """`bench.py --scale --methods tiered_overlap` runs no strict row: the durable and restore
-    targets come from the overlapped one (they used to be left out)."""
+    targets come from the overlapped one (they used to be left out). Every tiered row is judged
+    on its own, a row with its codec pinned (`tiered_overlap:none`) too: each stores and restores
+    its own steps."""
     scale = _script("scale")
 
     def row(name, stall, durable, restore):
@@ -691,9 +693,13 @@ def test_the_scale_bench_judges_durable_and_restore_from_the_overlapped_row_run_
     assert got["tiered_overlap: restore <= 1.15 x stored / read ceiling"]["met"] is False
     assert got["tiered_overlap: stall <= DCP pinned / 10"] == {"met": True, "measured": "120.0 vs 1300.0 ms"}
     out["rows"].insert(0, row("tiered", 500.0, 11.0, 22.0))
+    out["rows"].append(row("tiered_overlap:none", 130.0, 14.0, 30.0))  # (a row with its codec pinned)
     got = scale.targets(out)
     assert got["tiered: durable <= 1.15 x stored / write ceiling"]["met"] is True, "the strict row, where it ran"
-    assert "tiered_overlap: durable <= 1.15 x stored / write ceiling" not in got
+    assert got["tiered_overlap: durable <= 1.15 x stored / write ceiling"]["met"] is False, "each row on its own"
+    assert got["tiered_overlap:none: stall <= 50 ms"] == {"met": False, "measured": "130.0 ms"}
+    assert got["tiered_overlap:none: restore <= 1.15 x stored / read ceiling"]["met"] is False
+    assert not any(k.startswith("dcp_pinned") for k in got)
 
 
 def test_the_scale_bench_holds_several_ranks_to_the_faster_of_the_disk_alone_and_shared():
