@@ -9,10 +9,15 @@ checksum kernel's 26-37 ms from training, and a `none` save through the same pat
 packed them with kernels. Here no kernel runs. The host pages hold the chunks exactly as the data
 file lays them out (each chunk at the next 4 KiB-aligned offset: a tensor's bytes, then zeros to
 the next 4 KiB), so each tensor is one copy, each run of pages one write, and the checksums
-(tiered.checksum's wsum64, on the codec pool) read the pages once. What it costs instead: the
-fast tier stores the state uncompressed (a trained model's fp32 state is ~17% larger than with
-ANS), the copies need pinned host memory for the state (as the slab path's drain does), and the
-checksums take CPU time (~3.5 GB/s a core) beside the disk's writes, off the training thread.
+(tiered.checksum's wsum64, summed a run at a time on two low-priority threads:
+`tiered.runtime.Workers.checksums`) read the pages once. What it costs instead: the fast tier
+stores the state uncompressed (a trained model's fp32 state is ~20% larger than with ANS), the
+copies need pinned host memory for the state (as the slab path's drain does), and the checksums
+take CPU time (~2-3 GB/s a thread) beside the disk's writes, off the training thread.
+
+Measured at 24 GB beside a GPU-bound loop (GPU runs 259-262, docs/benchmarks.md, session 26):
+it stalls training about as much as ANS does, not less, so `codec: auto` keeps ANS; this path is
+for a GPU with no memory to spare for the save slab.
 
     HostLayout.build(plans, chunk_size, run_bytes)   once per structure of state: runs of chunks,
                                                      each a range of host pages

@@ -166,7 +166,7 @@ def measure(sample: Sample, names: Sequence[str], *, pool: ThreadPoolExecutor, s
         todo = [i for i, s in enumerate(sample.stored) if s is None or s[0] != name]
         kept = sum(s[1] for i, s in enumerate(sample.stored) if s is not None and i not in todo)
         on_gpu = gpu is not None and cls.gpu_capable and not (cpu_first and cls.cpu_capable)
-        if not todo or (name == "none" and gpu is None):  # on a GPU, "none" still copies into the slab
+        if not todo or name == "none":  # (kept as it is: no encode; on a GPU the copy engines move it: tiered.host_copy)
             seconds, stored = 0.0, sum(_nbytes(sample.chunks[i][1]) for i in todo)
         elif on_gpu:
             seconds, stored = _encode_gpu(gpu, [sample.chunks[i] for i in todo], name, slots, stream)
