@@ -166,8 +166,11 @@ class HostSegment:
     give_back: Callable[[], None]
 
     def release(self) -> None:
+        """Give the pages back; before `checksums`, wait for the copies first (a failed save lets
+        pages go that the copy engine may still fill). After it, no CUDA call is made: the host
+        writes' threads call this, and a CUDA call on a thread of no GPU opens a context on GPU 0."""
         if self.ready is not None:
-            self.ready.synchronize()  # (a failed save lets pages go that the copy engine may still fill)
+            self.ready.synchronize()
         self.give_back()
 
     def checksums(self, pool: ThreadPoolExecutor) -> list[int]:
@@ -177,6 +180,7 @@ class HostSegment:
         calls per MiB, whatever the chunks' sizes)."""
         if self.ready is not None:
             self.ready.synchronize()
+            self.ready = None  # (copied: `release` waits for nothing now)
         buf = self.raw.numpy()
         for at, n in self.run.tails:
             buf[at:at + n] = 0
