@@ -17,7 +17,9 @@ take CPU time (~2-3 GB/s a thread) beside the disk's writes, off the training th
 
 Measured at 24 GB beside a GPU-bound loop (GPU runs 259-262, docs/benchmarks.md, session 26):
 it stalls training about as much as ANS does, not less, so `codec: auto` keeps ANS; this path is
-for a GPU with no memory to spare for the save slab.
+for a GPU with no memory to spare for the save slab, with the optimizer guarded: a strict save
+waits for the copies to cross PCIe (~50 GB/s; 57 ms at 2.4 GB against ANS's 20, run 264). From
+such a tier the migrator decodes nothing on the GPU.
 
     HostLayout.build(plans, chunk_size, run_bytes)   once per structure of state: runs of chunks,
                                                      each a range of host pages
