@@ -16,7 +16,7 @@ after this rank's index, because the step is committed once every rank's files a
          returns at once, and the optimizer's next step waits for the reads: tiered.overlap)
     writer thread, per staged segment, in order:
       -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; GPU tensors
-         stored as they are (`codec: none`) copied to host pages and checksummed on the pool
+         stored as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
       -> each chunk placed at the next aligned offset; runs of rows written as one extent
          (from the GPU, or drained through pinned host memory where the state outgrows the slab)
       -> data file closed (fsync)                             `_write_rank`
