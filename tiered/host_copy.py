@@ -94,12 +94,16 @@ class HostRun:
     copied into, typed and shaped like them (saves of one structure cycle through a few places
     of the host pool, so a warm save makes none)."""
 
-    def destinations(self, raw: torch.Tensor, page: int) -> list[torch.Tensor]:
+    def destinations(self, raw: torch.Tensor, page: int, keep: bool = True) -> list[torch.Tensor]:
+        """The views of `raw` (the run's pages from `page` on) that the whole tensors are copied
+        into; with `keep`, kept for the next save given the same pages."""
         dsts = self.views.get(page)
         if dsts is None:
-            if len(self.views) >= VIEW_PLACES:
-                self.views.clear()
-            dsts = self.views[page] = [raw[at:at + p.nbytes].view(p.dtype).view(p.shape) for p, at in self.whole]
+            dsts = [raw[at:at + p.nbytes].view(p.dtype).view(p.shape) for p, at in self.whole]
+            if keep:
+                if len(self.views) >= VIEW_PLACES:
+                    self.views.clear()
+                self.views[page] = dsts
         return dsts
 
 
@@ -197,11 +201,13 @@ class HostSegment:
 
 
 def stage(layout: HostLayout, tensors: Sequence[torch.Tensor], host: HostPool, stream: Any,
-          emit: Callable[[HostSegment], None], on_block: Callable[[], None], timings: dict[str, float]) -> None:
+          emit: Callable[[HostSegment], None], on_block: Callable[[], None], timings: dict[str, float],
+          keep_views: bool = True) -> None:
     """Copy every run of `layout` into host pages, on `stream` (None: copies on the CPU), and emit
     each as a HostSegment. Waits for pages while the writer still holds them (`on_block` first).
     Whole tensors are copied into views shaped like them (a strided one is made contiguous by the
-    copy itself, on `stream`); parts of a tensor larger than a run, as bytes."""
+    copy itself, on `stream`), kept from save to save with `keep_views`; parts of a tensor larger
+    than a run, as bytes."""
     clock = time.perf_counter
     flat: dict[int, torch.Tensor] = {}
     for run in layout.runs:
@@ -210,7 +216,7 @@ def stage(layout: HostLayout, tensors: Sequence[torch.Tensor], host: HostPool, s
         t1 = clock()
         try:
             raw = host.view(page, run.nbytes)
-            dsts = run.destinations(raw, page)
+            dsts = run.destinations(raw, page, keep_views)
             srcs = [tensors[i] for i in run.leaves]
             with torch.cuda.stream(stream):  # (None: no stream, on a machine without CUDA too)
                 if run.pieces:
@@ -263,15 +269,27 @@ def write_segment(seg: HostSegment, writer: Any, place: Callable[[Sequence[Any],
 
 
 class HostCopier:
-    """One GPU's copy-engine path (`GpuDevice.stage` hands it the `none` plans): a stream of its
-    own (the copies do not queue behind, or hold up, the slab path's kernels), the layout of the
-    last structure saved, and the host pool it copies into."""
+    """The copy path of one GPU (`GpuDevice.stage` hands it the `none` plans), or (`index` None) of
+    the CPU tensors stored as they are (`SavePipeline` hands it those: copied on the calling thread,
+    then written as the GPU's are, in place, with no copy per chunk): a stream of its own on a GPU
+    (the copies do not queue behind, or hold up, the slab path's kernels), the layout of the last
+    structure saved, and the host pool it copies into."""
 
-    def __init__(self, index: int, host: HostPool, chunk_size: int, priority: int):
+    def __init__(self, index: int | None, host: HostPool, chunk_size: int, priority: int = 0):
         self.index, self.host, self.chunk_size = index, host, chunk_size
-        self.stream = torch.cuda.Stream(torch.device("cuda", index), priority=priority)
+        self.stream = None if index is None else torch.cuda.Stream(torch.device("cuda", index), priority=priority)
+        self.where = "CPU tensors" if index is None else f"cuda:{index}"
         self._layout: HostLayout | None = None
+        self._split: tuple[Any, Any, Any] | None = None
         self._warned: set[str] = set()
+
+    def split(self, plans: Sequence[TensorPlan]) -> tuple[Sequence[TensorPlan], Sequence[TensorPlan]]:
+        """(plans copied as they are, the others); the same objects while `plans` is (the layouts
+        are cached on their identity)."""
+        if self._split is None or self._split[0] is not plans:
+            copied = tuple(p for p in plans if copies_to_host(p))
+            self._split = (plans, copied, tuple(p for p in plans if not copies_to_host(p)) if copied else plans)
+        return self._split[1], self._split[2]
 
     def _run_bytes(self) -> int:
         """Bytes per run: RUN_BYTES, within one pinned block, and at most a quarter of the pool, so
@@ -292,23 +310,29 @@ class HostCopier:
         host = self.host
         if host.capacity < nbytes and "host" not in self._warned:
             self._warned.add("host")
-            log.warning("tiered: cuda:%d: this state's %s are copied to pinned host memory before they are written "
+            log.warning("tiered: %s: this state's %s are copied to host staging memory before they are written "
                         "(codec: none), and budgets.host_buffer holds %s: save() waits for the disk for the rest. "
-                        "Raise budgets.host_buffer", self.index, format_size(nbytes), format_size(host.capacity))
+                        "Raise budgets.host_buffer", self.where, format_size(nbytes), format_size(host.capacity))
         elif host.pinned_bytes < min(nbytes, host.capacity) and "pin" not in self._warned:
             self._warned.add("pin")
-            log.warning("tiered: cuda:%d: this save copies %s to pinned host memory and %s is pinned: the rest is "
+            log.warning("tiered: %s: this save copies %s to pinned host memory and %s is pinned: the rest is "
                         "pinned now, in the background, and this save waits for it (~0.3-0.5 s per GB, once). "
-                        "engine.reserve(state) at start-up does this before the first save", self.index,
+                        "engine.reserve(state) at start-up does this before the first save", self.where,
                         format_size(nbytes), format_size(host.pinned_bytes))
         host.want(nbytes)
 
     def stage(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], emit: Callable[[Any], None],
               on_block: Callable[[], None], after: Any, timings: dict[str, float]) -> Any:
-        """Copy `plans`' tensors into host pages (`stage`); the event after the last copy. Without
-        `after` the copies follow the current stream, which then waits for them (as
-        `GpuDevice.stage`); with it they follow `after` and nothing waits. On a failure this
-        waits for the copies issued, so the caller may let the tensors go."""
+        """Copy `plans`' tensors into host pages (`stage`); the event after the last copy (None
+        for the CPU's: copied when this returns). Without `after` the copies follow the current
+        stream, which then waits for them (as `GpuDevice.stage`); with it they follow `after` and
+        nothing waits. On a failure this waits for the copies issued, so the caller may let the
+        tensors go."""
+        if self.stream is None:  # (no views kept: a CPU state's thousands of step counters would be as many
+            layout = self.layout(plans)  # tensors the collector walks in its oldest generation: tree._Kept)
+            self._want(layout.nbytes)
+            stage(layout, tensors, self.host, None, emit, on_block, timings, keep_views=False)
+            return None
         current = torch.cuda.current_stream(self.index)
         if after is None:
             self.stream.wait_stream(current)

@@ -15,8 +15,8 @@ after this rank's index, because the step is committed once every rank's files a
          (with `guard(optimizer)`: the stage runs on the stager thread instead, `save()`
          returns at once, and the optimizer's next step waits for the reads: tiered.overlap)
     writer thread, per staged segment, in order:
-      -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; GPU tensors
-         stored as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
+      -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; tensors stored
+         as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
       -> each chunk placed at the next aligned offset; runs of rows written as one extent
          (from the GPU, or drained through pinned host memory where the state outgrows the slab)
       -> data file closed (fsync)                             `_write_rank`
@@ -119,6 +119,9 @@ class SavePipeline:
         self.rank, self.world_size = 0, 1
         self.codec = FastTierCodec(config, self.tier, workers)
         """The fast tier's codec (``codec: auto`` decides it from the first save)."""
+        self._cpu_copies = host_copy.HostCopier(None, workers.host, config.chunk_size)
+        """CPU tensors stored as they are: copied into host pages laid out as the data file and
+        written in place (tiered.host_copy), not encoded chunk by chunk (tiered.cpu)."""
         self.closed = False
         self._plans = PlanCache()
         self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
@@ -191,7 +194,10 @@ class SavePipeline:
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
-        cpu.prepare(made.cpu)
+        copied, rest = self._cpu_copies.split(made.cpu)
+        if copied:
+            self._cpu_copies.layout(copied)
+        cpu.prepare(rest)
         tree.age_kept()  # (last: what the caller made for the saves, under torchrun too, is made by now)
         return made.raw_bytes
 
@@ -352,7 +358,12 @@ class SavePipeline:
                 job.reads.append((index, ev))
                 handle.timings.update({f"cuda:{index}.{k}": v for k, v in device.timings.items()})
             t1 = time.perf_counter()
-            cpu.snapshot(plan.cpu, plan.tensors, self.workers.host, self.config.chunk_size, job.segments.put, job.go.set)
+            copied, rest = self._cpu_copies.split(plan.cpu)
+            if copied:
+                copies: dict[str, float] = {}
+                self._cpu_copies.stage(copied, plan.tensors, job.segments.put, job.go.set, None, copies)
+                handle.timings.update({f"cpu.{k}": v for k, v in copies.items()})
+            cpu.snapshot(rest, plan.tensors, self.workers.host, self.config.chunk_size, job.segments.put, job.go.set)
             handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
         except BaseException as exc:
             job.aborted = strict
