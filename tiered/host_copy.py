@@ -270,8 +270,8 @@ def write_segment(seg: HostSegment, writer: Any, place: Callable[[Sequence[Any],
 
 class HostCopier:
     """The copy path of one GPU (`GpuDevice.stage` hands it the `none` plans), or (`index` None) of
-    the CPU tensors stored as they are (`SavePipeline` hands it those: copied on the calling thread,
-    then written as the GPU's are, in place, with no copy per chunk): a stream of its own on a GPU
+    the CPU tensors stored as they are (`SavePipeline` hands it those: copied where the save is
+    staged, then written as the GPU's are, in place, with no copy per chunk): a stream of its own on a GPU
     (the copies do not queue behind, or hold up, the slab path's kernels), the layout of the last
     structure saved, and the host pool it copies into."""
 
