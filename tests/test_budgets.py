@@ -220,6 +220,30 @@ def test_host_pool_uses_the_rest_unpinned_when_pinning_fails(caplog):
     assert "pinning host staging memory failed" in caplog.text and "budgets.host_buffer" in caplog.text
     pool.close()
 
+def test_a_save_says_once_where_it_will_wait_for_host_pages(caplog):
+    """`want_for_save`: a save larger than the pool says the disk paces it, naming the budget; one
+    that finds less pinned than it needs says it waits for pinning; each once per kind."""
+    release = threading.Event()
+
+    def pin(addr: int, n: int) -> bool:
+        return release.wait(5)
+
+    pool = HostPool(8 * 4096, 4096, pin=pin, unpin=lambda a: None, block=2 * 4096)
+    warned: set[str] = set()
+    with caplog.at_level("WARNING", "tiered"):
+        pool.want_for_save(4 * 4096, warned, "cuda:3", "copies 16 KiB", "Raise budgets.host_buffer")
+        pool.want_for_save(4 * 4096, warned, "cuda:3", "copies 16 KiB", "Raise budgets.host_buffer")
+        assert warned == {"pin"} and caplog.text.count("waits for it") == 1
+        assert "cuda:3: this save copies 16 KiB" in caplog.text and "engine.reserve(state)" in caplog.text
+        pool.want_for_save(64 * 4096, warned, "cuda:3", "copies 256 KiB", "Raise budgets.host_buffer")
+        pool.want_for_save(64 * 4096, warned, "cuda:3", "copies 256 KiB", "Raise budgets.host_buffer")
+    assert warned == {"pin", "host"} and caplog.text.count("waits for the disk") == 1
+    assert "holds at most 32.77 kB" in caplog.text and "Raise budgets.host_buffer" in caplog.text
+    release.set()
+    assert pool.wait_pinned(5) and pool.pinned_bytes == pool.capacity  # (wanted the whole pool)
+    pool.close()
+
+
 
 # --- large parallel host writes ------------------------------------------------------------------
 def _aligned(nbytes: int, seed: int) -> tuple[HostPool, memoryview, bytes]:

@@ -93,7 +93,6 @@ class GpuDevice:
     _copies: torch.cuda.Event | None = field(default=None, init=False)
     """Recorded after the last copies to the host that a drain issued (`note_copies`)."""
     _copier: HostCopier | None = field(default=None, init=False)
-    _split: tuple[Any, Any, Any] | None = field(default=None, init=False)
     timings: dict[str, float] = field(default_factory=dict, init=False)
     """Milliseconds spent in the phases of the last stage() call (diagnostics)."""
 
@@ -170,7 +169,7 @@ class GpuDevice:
         holds its own. The layout is built for the fewest rows the slab can have, and kept where
         no wave was cut at that count (`Layout.fits`). Plans copied to the host as they are
         (tiered.host_copy) only get their layout: they need no GPU buffer and run no kernel."""
-        copied, plans = self._split_plans(plans)
+        copied, plans = self._host_copier().split(plans)
         if copied:
             self._host_copier().layout(copied)
         if not any(p.nbytes for p in plans):
@@ -186,14 +185,6 @@ class GpuDevice:
                          len(self._layout.waves))
             if self._slab is None:  # (no save yet: nothing else uses the pack buffer; a save's _ensure waits)
                 self._first_run(self._layout, tensors)
-
-    def _split_plans(self, plans: Sequence[TensorPlan]) -> tuple[Sequence[TensorPlan], Sequence[TensorPlan]]:
-        """(plans copied to the host as they are, plans encoded into the slab); the same objects
-        while `plans` is (the layouts are cached on their identity)."""
-        if self._split is None or self._split[0] is not plans:
-            copied = tuple(p for p in plans if copies_to_host(p))
-            self._split = (plans, copied, tuple(p for p in plans if not copies_to_host(p)) if copied else plans)
-        return self._split[1], self._split[2]
 
     def _host_copier(self) -> HostCopier:
         if self._copier is None:
@@ -263,15 +254,15 @@ class GpuDevice:
         for the reads already issued before raising, so the caller may let the tensors go at once.
         """
         self.timings = {}
-        copied, plans = self._split_plans(plans)
+        copier = self._host_copier()
+        copied, plans = copier.split(plans)
         with torch.cuda.device(self.index), torch.no_grad():
             copies = None
             if copied:  # (`codec: none`: by the copy engines, straight from the tensors: tiered.host_copy)
                 try:
-                    copies = self._host_copier().stage(copied, tensors, emit, on_block, after, self.timings)
+                    copies = copier.stage(copied, tensors, emit, on_block, after, self.timings)
                 except BaseException:
-                    if self._copier is not None:
-                        self._copier.stream.synchronize()
+                    copier.stream.synchronize()
                     raise
                 if not plans:
                     return copies
@@ -358,20 +349,10 @@ class GpuDevice:
     def _plan_drain(self, overflow: int, slab: int) -> None:
         """Up to `overflow` bytes of this save drain through pinned host memory: have them pinned,
         and say once where the save will wait (for pinning, or for the disk)."""
-        host = self.host
-        if host.capacity < overflow and "host" not in self._warned:
-            self._warned.add("host")
-            log.warning("tiered: cuda:%d: this state's compressed chunks do not fit the GPU slab (%s); up to %s drain "
-                        "through pinned host memory, which holds at most %s: save() waits for the disk for the rest. "
-                        "Raise budgets.host_buffer (or gpu_buffer, where GPU memory is free)", self.index,
-                        format_size(slab), format_size(overflow), format_size(host.capacity))
-        elif host.pinned_bytes < min(overflow, host.capacity) and "pin" not in self._warned:
-            self._warned.add("pin")
-            log.warning("tiered: cuda:%d: this save drains up to %s through pinned host memory and %s is pinned: the "
-                        "rest is pinned now, in the background, and this save waits for it (~0.3-0.5 s per GB, "
-                        "once). engine.reserve(state) at start-up does this before the first save", self.index,
-                        format_size(overflow), format_size(host.pinned_bytes))
-        host.want(overflow)
+        self.host.want_for_save(overflow, self._warned, f"cuda:{self.index}",
+                                f"drains up to {format_size(overflow)} of compressed chunks that do not fit the GPU "
+                                f"slab ({format_size(slab)})",
+                                "Raise budgets.host_buffer (or gpu_buffer, where GPU memory is free)")
 
     def _checksums(self, seg: RowsSegment, sizes: Sequence[int], dev: torch.Tensor) -> None:
         """On the writer stream (current), after the wave's compression: zero each row past its

@@ -277,11 +277,20 @@ class HostCopier:
 
     def __init__(self, index: int | None, host: HostPool, chunk_size: int, priority: int = 0):
         self.index, self.host, self.chunk_size = index, host, chunk_size
-        self.stream = None if index is None else torch.cuda.Stream(torch.device("cuda", index), priority=priority)
+        self._priority = priority
+        self._stream: Any = None
         self.where = "CPU tensors" if index is None else f"cuda:{index}"
         self._layout: HostLayout | None = None
         self._split: tuple[Any, Any, Any] | None = None
         self._warned: set[str] = set()
+
+    @property
+    def stream(self) -> Any:
+        """The copies' CUDA stream (None for the CPU's), made at the first GPU copy: a GPU whose
+        saves copy nothing as it is makes none."""
+        if self._stream is None and self.index is not None:
+            self._stream = torch.cuda.Stream(torch.device("cuda", self.index), priority=self._priority)
+        return self._stream
 
     def split(self, plans: Sequence[TensorPlan]) -> tuple[Sequence[TensorPlan], Sequence[TensorPlan]]:
         """(plans copied as they are, the others); the same objects while `plans` is (the layouts
@@ -304,23 +313,6 @@ class HostCopier:
             self._layout = HostLayout.build(plans, self.chunk_size, run_bytes)
         return self._layout
 
-    def _want(self, nbytes: int) -> None:
-        """Have `nbytes` of host pages pinned, and say once where saves will wait (for the disk,
-        or for pinning)."""
-        host = self.host
-        if host.capacity < nbytes and "host" not in self._warned:
-            self._warned.add("host")
-            log.warning("tiered: %s: this state's %s are copied to host staging memory before they are written "
-                        "(codec: none), and budgets.host_buffer holds %s: save() waits for the disk for the rest. "
-                        "Raise budgets.host_buffer", self.where, format_size(nbytes), format_size(host.capacity))
-        elif host.pinned_bytes < min(nbytes, host.capacity) and "pin" not in self._warned:
-            self._warned.add("pin")
-            log.warning("tiered: %s: this save copies %s to pinned host memory and %s is pinned: the rest is "
-                        "pinned now, in the background, and this save waits for it (~0.3-0.5 s per GB, once). "
-                        "engine.reserve(state) at start-up does this before the first save", self.where,
-                        format_size(nbytes), format_size(host.pinned_bytes))
-        host.want(nbytes)
-
     def stage(self, plans: Sequence[TensorPlan], tensors: Sequence[torch.Tensor], emit: Callable[[Any], None],
               on_block: Callable[[], None], after: Any, timings: dict[str, float]) -> Any:
         """Copy `plans`' tensors into host pages (`stage`); the event after the last copy (None
@@ -328,18 +320,18 @@ class HostCopier:
         stream, which then waits for them (as `GpuDevice.stage`); with it they follow `after` and
         nothing waits. On a failure this waits for the copies issued, so the caller may let the
         tensors go."""
-        if self.stream is None:  # (no views kept: a CPU state's thousands of step counters would be as many
-            layout = self.layout(plans)  # tensors the collector walks in its oldest generation: tree._Kept)
-            self._want(layout.nbytes)
-            stage(layout, tensors, self.host, None, emit, on_block, timings, keep_views=False)
-            return None
+        layout = self.layout(plans)
+        self.host.want_for_save(layout.nbytes, self._warned, self.where,
+                                f"copies {format_size(layout.nbytes)} of tensors stored as they are (codec: none)",
+                                "Raise budgets.host_buffer")
+        if self.index is None:  # (no views kept: a CPU state's thousands of step counters would be as many
+            stage(layout, tensors, self.host, None, emit, on_block, timings, keep_views=False)  # tensors the
+            return None  # collector walks in its oldest generation: tree._Kept)
         current = torch.cuda.current_stream(self.index)
         if after is None:
             self.stream.wait_stream(current)
         else:
             self.stream.wait_event(after)
-        layout = self.layout(plans)
-        self._want(layout.nbytes)
         stage(layout, tensors, self.host, self.stream, emit, on_block, timings)
         done = torch.cuda.Event()
         done.record(self.stream)

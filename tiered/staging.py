@@ -270,6 +270,23 @@ class HostPool:
                 self.pinned_bytes = off + n
             self.ring.grow((off + n) // self.page)
 
+    def want_for_save(self, nbytes: int, warned: set[str], where: str, what: str, raise_hint: str) -> None:
+        """`want(nbytes)` for a save that passes `nbytes` through these pages, and say once per kind
+        (kept in `warned`) where saves will wait: for the disk (the pool is smaller than that), or
+        for pinning (less is pinned yet). `where` names the device ("cuda:0"), `what` the bytes
+        ("drains up to 3 GiB", "copies 24 GiB"), `raise_hint` the budget to raise."""
+        if self.capacity < nbytes and "host" not in warned:
+            warned.add("host")
+            log.warning("tiered: %s: this save %s through pinned host memory, which holds at most %s: save() waits "
+                        "for the disk for the rest. %s", where, what, format_size(self.capacity), raise_hint)
+        elif self.pinned_bytes < min(nbytes, self.capacity) and "pin" not in warned:
+            warned.add("pin")
+            log.warning("tiered: %s: this save %s through pinned host memory and %s is pinned: the rest is pinned "
+                        "now, in the background, and this save waits for it (~0.3-0.5 s per GB, once). "
+                        "engine.reserve(state) at start-up does this before the first save", where, what,
+                        format_size(self.pinned_bytes))
+        self.want(nbytes)
+
     def wait_pinned(self, timeout: float | None = None) -> bool:
         """Wait until what was wanted is pinned (or pinning failed or stopped); True if it is."""
         with self._cv:
