@@ -264,6 +264,50 @@ def test_a_dict_of_tensors_is_flattened_in_one_pass_and_its_node_kept_by_the_lea
         tree.flatten({"o": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(2).to_sparse()}}})
 
 
+def test_an_optimizers_state_is_flattened_in_one_pass_as_node_by_node():
+    """A dict of dicts of tensors (an optimizer's state, `tree._tensor_dicts`) gives the skeleton and
+    leaves that the walk node by node gives: tensors shared inside and across its dicts refer to
+    their first leaf; its node is kept for the next save of the same keys and leaves. Where some
+    inner value is not a tensor, nothing of the one-pass attempt is left: not a leaf, not a note
+    of an address (a tensor seen there again is still shared)."""
+    import json
+
+    w = torch.randn(4, 8)
+    p0, p1 = torch.zeros(3), torch.ones(2)
+
+    def state(extra=None):
+        inner1 = {"step": torch.tensor(2.0), "exp_avg": p1, "same": p1}
+        if extra is not None:
+            inner1["lr"] = extra
+        return {"w": w, "o": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": p0, "tied": w},
+                                        1: inner1}, "param_groups": [{"params": [0, 1], "lr": 0.1}]}}
+
+    def node_by_node(obj):  # the general walk's result, with this fast path taken away
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tree, "_DICT", set())
+            tree._kept.tensor_nodes.clear()
+            return tree.flatten(obj, share=True)
+
+    s = state()
+    first, leaves = tree.flatten(s, share=True)
+    want, want_leaves = node_by_node(s)
+    assert json.dumps(first) == json.dumps(want)
+    assert [(lf.path, lf.tensor.data_ptr()) for lf in leaves] == [(lf.path, lf.tensor.data_ptr()) for lf in want_leaves]
+    st = json.loads(json.dumps(first))["$dict"][1][1]["$dict"][0][1]["$dict"]
+    assert st == [[0, {"$dict": [["step", {"$tensor": 1}], ["exp_avg", {"$tensor": 2}], ["tied", {"$tensor": 0}]]}],
+                  [1, {"$dict": [["step", {"$tensor": 3}], ["exp_avg", {"$tensor": 4}], ["same", {"$tensor": 4}]]}]]
+    a, b = tree.flatten(state(), share=True)[0], tree.flatten(state(), share=True)[0]
+    assert a["$dict"][1][1]["$dict"][0][1] is b["$dict"][1][1]["$dict"][0][1], "the state's node kept"
+    s = state(extra=0.5)
+    mixed, leaves = tree.flatten(s, share=True)
+    want, want_leaves = node_by_node(s)
+    assert json.dumps(mixed) == json.dumps(want) and len(leaves) == len(want_leaves) == 5
+    assert [(lf.path, lf.tensor.data_ptr()) for lf in leaves] == [(lf.path, lf.tensor.data_ptr()) for lf in want_leaves]
+    assert tree.decode(mixed, lambda i: leaves[i].tensor)["o"]["state"][1]["lr"] == 0.5
+    with pytest.raises(StateDictError, match=r"o\.state\[1\]\.exp_avg: torch.sparse_coo"):
+        tree.flatten({"o": {"state": {0: {"step": torch.tensor(1.0)}, 1: {"exp_avg": torch.ones(2).to_sparse()}}}})
+
+
 def test_flat_items_flatten_as_their_dict_would_without_a_walk():
     """A distributed save's items ({name: tensor}) are handed on already flattened: the same
     skeleton JSON and leaves as a walk of that dict gives, the skeleton made once per list of

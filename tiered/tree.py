@@ -186,6 +186,7 @@ PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 through tiered.dcp)."""
 _PLAIN_KEYS = frozenset({str, int})
 """The key types a dict of tensors is flattened in one pass with (`_tensor_dict`)."""
+_DICT = {dict}
 _new_leaf = tuple.__new__
 """`Leaf(...)` without the named tuple's Python-level constructor: a save makes thousands."""
 
@@ -198,8 +199,14 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
     if cls in PLAIN_TENSORS:
         return _tensor_leaf(obj, path, leaves, seen)
     if cls is dict or cls is OrderedDict or isinstance(obj, dict):
-        if obj and set(map(type, obj.values())) <= PLAIN_TENSORS and set(map(type, obj)) <= _PLAIN_KEYS:
-            return _tensor_dict(obj, "$odict" if isinstance(obj, OrderedDict) else "$dict", path, leaves, seen)
+        if obj and set(map(type, obj)) <= _PLAIN_KEYS:
+            types = set(map(type, obj.values()))
+            if types <= PLAIN_TENSORS:
+                return _tensor_dict(obj, "$odict" if isinstance(obj, OrderedDict) else "$dict", path, leaves, seen)
+            if types == _DICT:
+                got = _tensor_dicts(obj, "$odict" if isinstance(obj, OrderedDict) else "$dict", path, leaves, seen)
+                if got is not None:
+                    return got
         items = []
         append = items.append
         pairs, kept_ids = _kept.pairs, _kept.ids
@@ -332,6 +339,79 @@ def _tensor_dict(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: d
             kept[key] = node
             _kept.ids.add(id(node))
     return node
+
+
+def _tensor_dicts(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> dict | None:
+    """`_encode` of a dict of dicts (exactly `dict`) of tensors, every key a str or int: an
+    optimizer's state ({param id: {"step": t, "exp_avg": t, "exp_avg_sq": t}}), which is most of a
+    save's tensors, in small dicts. Walked in one pass, each tensor as `_tensor_dict` takes it, the
+    whole node kept by every inner dict's keys and leaves (one lookup, not one per inner dict): 14
+    ms of an 18 ms walk of 10,360 tensors was this (docs/benchmarks.md, session 27). None, with
+    nothing added, where some inner value is not a plain tensor (or some inner key not a str or
+    int): `_encode` then walks it node by node."""
+    strided, plain, keytypes = torch.strided, PLAIN_TENSORS, _PLAIN_KEYS
+    append = leaves.append
+    n0 = len(leaves)
+    inner_keys: list[tuple[Any, ...]] = []
+    firsts: list[Any] = []
+    """Per inner dict: its first leaf (its leaves follow), or the tuple of the leaves it refers to."""
+    for k0, inner in obj.items():
+        ipath = path + (k0,)
+        n1 = len(leaves)
+        idx: list[int] | None = None
+        for k, t in inner.items():
+            if type(t) not in plain or type(k) not in keytypes:
+                _forget(leaves, seen, n0)
+                return None
+            if t.layout is not strided or t.is_quantized or t.is_nested:
+                raise _unsupported(t, ipath + (k,))
+            n = len(leaves)
+            if seen is not None:
+                addr = t.data_ptr()
+                same = seen.get(addr)
+                if same is None:
+                    seen[addr] = n
+                else:
+                    i = _same_view(t, addr, same, leaves, seen)
+                    if i is not None:
+                        if idx is None:
+                            idx = list(range(n1, n))
+                        idx.append(i)
+                        continue
+            if idx is not None:
+                idx.append(n)
+            append(_new_leaf(Leaf, (ipath + (k,), t.detach() if t.requires_grad else t, False)))
+        inner_keys.append(tuple(inner))
+        firsts.append(n1 if idx is None else tuple(idx))
+    keys = tuple(obj)
+    key = (tag, keys, tuple(inner_keys), tuple(firsts))
+    kept = _kept.tensor_nodes
+    node = kept.get(key)
+    if node is None:
+        ref = _kept.ref
+        inner_nodes = [{"$dict": tuple(zip(ks, [ref(i) for i in (range(f, f + len(ks)) if type(f) is int else f)]))}
+                       for ks, f in zip(inner_keys, firsts)]
+        node = {tag: tuple(zip(keys, inner_nodes))}
+        if len(leaves) <= _Kept.MAX_REFS:  # (every reference is a kept one: the node may be kept)
+            kept[key] = node
+            _kept.ids.add(id(node))
+    return node
+
+
+def _forget(leaves: list[Leaf], seen: dict | None, n: int) -> None:
+    """Undo the leaves from `n` on (and, with `seen`, where they were noted)."""
+    if seen is not None:
+        for leaf in leaves[n:]:
+            addr = leaf[1].data_ptr()
+            same = seen.get(addr)
+            if type(same) is int:
+                if same >= n:
+                    del seen[addr]
+            elif same is not None:
+                same[:] = [i for i in same if i < n]
+                if not same:
+                    del seen[addr]
+    del leaves[n:]
 
 
 def _same_view(t: torch.Tensor, addr: int, same: int | list[int], leaves: list[Leaf], seen: dict) -> int | None:
