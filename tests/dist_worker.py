@@ -241,6 +241,29 @@ def save_fails_on_rank_1(engine, state, step: int) -> None:
     engine.save(step + 1, state).wait()
 
 
+def load_fails_on_rank_1(engine, state, step: int) -> None:
+    """Rank 1's state has a tensor that the step lacks (a strict restore refuses it): every rank's
+    restore raises, rank 1 its own error, the others one that names rank 1 and why; then a restore
+    of a state that every rank can load succeeds everywhere."""
+    from tiered.errors import TieredError
+
+    if dist.get_rank() == 1:
+        state["tensors"]["missing"] = torch.zeros(3)
+    try:
+        engine.restore(state, step)
+    except TieredError as exc:
+        if dist.get_rank() == 1 or "rank 1" not in str(exc) or "missing" not in str(exc):
+            raise SystemExit(f"rank {dist.get_rank()}: unexpected error {exc}")
+    except Exception as exc:  # noqa: BLE001
+        if dist.get_rank() != 1 or "missing" not in str(exc):
+            raise SystemExit(f"rank {dist.get_rank()}: unexpected error {type(exc).__name__}: {exc}")
+    else:
+        raise SystemExit(f"rank {dist.get_rank()}: step {step} restored although rank 1 could not")
+    state["tensors"].pop("missing", None)
+    assert engine.restore(state, step) == step
+    check(state)
+
+
 def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
     """Saves that reuse the last plan (tiered.dcp_reuse) save each save's values; a state that
     changes structure is planned again by DCP. Every step is restored and checked. `reserve`:
@@ -291,7 +314,7 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "save-fail", "save-change", "save-gc"])
+    ap.add_argument("mode", choices=["save", "load", "load-fail", "save-fail", "save-change", "save-gc"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
@@ -323,8 +346,10 @@ def main() -> None:
         tiered.distributed.default_backend = lambda: "nccl"
     engine = Engine.from_config(args.config)
     try:
-        state = fsdp_state(args.mode == "load", args.width, args.layers) if cuda else build(mesh, args.mode == "load")
-        if args.mode == "save-fail":
+        state = fsdp_state(args.mode == "load", args.width, args.layers) if cuda else build(mesh, args.mode.startswith("load"))
+        if args.mode == "load-fail":
+            load_fails_on_rank_1(engine, state, args.step)
+        elif args.mode == "save-fail":
             save_fails_on_rank_1(engine, state, args.step)
         elif args.mode == "save-change":
             save_while_changing(engine, mesh, args.step, args.reserve)

@@ -165,6 +165,13 @@ def test_a_rank_that_cannot_write_fails_the_step_on_every_rank(tmp_path):
     torchrun(2, "load", "--config", cfg, "--step", "41")
 
 
+def test_a_restore_that_fails_on_one_rank_fails_on_every_rank(saved):
+    """Each rank plans and reads its part alone (no plans gathered on rank 0); a failure on one rank
+    still fails the restore on all, naming that rank, and the next restore succeeds on all."""
+    root, cfg = saved
+    torchrun(2, "load-fail", "--config", cfg, "--step", "100")
+
+
 def test_cli_verifies_a_distributed_step(saved):
     _, cfg = saved
     proc = subprocess.run([sys.executable, "-m", "tiered.cli", "verify", "--config", cfg, "--step", "all"],
