@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -149,6 +150,17 @@ def test_tree_round_trip_and_types():
     assert type(back) is OrderedDict and back["b"][(1, 2)] == b"\x00" and back["c"] == float("-inf")
     assert back["d"] is torch.float16 and back["e"] == torch.Size([2, 3]) and back["f"].dtype == np.float32
     assert tree.path_str(leaves[0].path) == "h"
+
+
+def test_decode_takes_plain_lists_and_tuples_whole_and_tagged_values_inside_them_still():
+    """Lists, tuples and dict values of plain JSON values decode as they are, in one pass (DCP's
+    planner data: a tuple of names per tensor); a tagged value among them still decodes."""
+    node = {"$dict": [["a", {"$tuple": ["r0", "model", 3, None, True, 1.5]}], ["b", [1, "x", False]],
+                      ["c", [1, {"$float": "nan"}]], ["d", {"$tuple": [{"$bytes": "AA=="}, 2]}], [7, "seven"]]}
+    got = tree.decode(node, lambda i: None)
+    assert got["a"] == ("r0", "model", 3, None, True, 1.5) and type(got["a"]) is tuple
+    assert got["b"] == [1, "x", False] and got["b"] is not node["$dict"][1][1], "a new list, not the node"
+    assert got["c"][0] == 1 and math.isnan(got["c"][1]) and got["d"] == (b"\x00", 2) and got[7] == "seven"
 
 
 def test_the_plan_cache_keeps_a_plan_while_paths_dtypes_shapes_and_devices_stay():

@@ -192,6 +192,9 @@ def metadata_to_json(md: Metadata, locations: dict[MetadataIndex, StoredItem]) -
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
+_INT = {int}
+
+
 def metadata_from_json(raw: bytes, source: str) -> Metadata:
     """The Metadata `metadata_to_json` wrote, validated; storage_data maps items to StoredItems."""
     try:
@@ -203,8 +206,8 @@ def metadata_from_json(raw: bytes, source: str) -> Metadata:
     if doc.get("version") != 1:
         raise FormatError(f"{source}: version {doc.get('version')!r} is not supported; upgrade tiered to read it")
 
-    def ints(val: Any, what: str) -> list[int]:
-        if not isinstance(val, list) or not all(type(x) is int and 0 <= x < 1 << 62 for x in val):
+    def ints(val: Any, what: str) -> list[int]:  # (per item and chunk: type and range checked in C)
+        if type(val) is not list or (val and (set(map(type, val)) != _INT or min(val) < 0 or max(val) >= 1 << 62)):
             raise FormatError(f"{source}: {what} is not a list of non-negative integers")
         return val
 

@@ -434,18 +434,27 @@ class _Wanted:
     def __init__(self, rec: TensorRecord, items: list[ReadItem], planner: LoadPlanner, chunk_size: int):
         self.rec, self.items = rec, items
         self.dests = [None if it.type == LoadItemType.BYTE_IO else planner.resolve_tensor(it).detach() for it in items]
-        mark = np.zeros(len(rec.chunks), dtype=bool)
-        for item in items:
-            if item.type == LoadItemType.BYTE_IO:
-                mark[:] = True
-            else:
-                box_chunks(rec.shape, rec.torch_dtype.itemsize, item.storage_offsets, item.lengths, chunk_size, mark)
-        self.ids = np.flatnonzero(mark)
-        self.first = int(self.ids[0]) if len(self.ids) else 0
-        self.nbytes = sum(c.raw_size for c in rec.chunks[self.first:int(self.ids[-1]) + 1]) if len(self.ids) else 0
         dst = self.dests[0]
         whole = (len(items) == 1 and dst is not None and not any(items[0].storage_offsets)
                  and list(items[0].lengths) == list(rec.shape))
+        self.groups: list[tuple[int, int]]
+        """The runs [a, b) of consecutive chunks to decode."""
+        if whole:  # (the common case, a tensor loaded as it was saved: every chunk, no box to find)
+            n = len(rec.chunks)
+            self.ids, self.first, self.nbytes = np.arange(n), 0, rec.nbytes if n else 0
+            self.groups = [(0, n)] if n else []
+        else:
+            mark = np.zeros(len(rec.chunks), dtype=bool)
+            for item in items:
+                if item.type == LoadItemType.BYTE_IO:
+                    mark[:] = True
+                else:
+                    box_chunks(rec.shape, rec.torch_dtype.itemsize, item.storage_offsets, item.lengths, chunk_size,
+                               mark)
+            self.ids = np.flatnonzero(mark)
+            self.first = int(self.ids[0]) if len(self.ids) else 0
+            self.nbytes = sum(c.raw_size for c in rec.chunks[self.first:int(self.ids[-1]) + 1]) if len(self.ids) else 0
+            self.groups = _groups(self.ids)
         self.direct = (whole and dst.dtype == rec.torch_dtype and tuple(dst.shape) == tuple(rec.shape)
                        and dst.is_contiguous() and dst.numel() * dst.element_size() == self.nbytes)
         self.staged = 0 if self.direct else self.nbytes
@@ -471,10 +480,11 @@ def _decode_batch(restorer: Any, step: int, tier: Any, index: RankIndex, batch: 
         rec = want.rec
         span = want.span() if len(want.ids) else torch.empty(0, dtype=torch.uint8)
         spans.append(span)
-        for a, b in _groups(want.ids):
+        for a, b in want.groups:
+            chunks = rec.chunks if a == 0 and b == len(rec.chunks) else rec.chunks[a:b]
             sub = TensorRecord(index=len(records), name=rec.name, dtype="uint8",
-                               shape=(sum(c.raw_size for c in rec.chunks[a:b]),), device=rec.device,
-                               is_numpy=False, codec=rec.codec, chunks=rec.chunks[a:b])
+                               shape=(rec.nbytes if chunks is rec.chunks else sum(c.raw_size for c in chunks),),
+                               device=rec.device, is_numpy=False, codec=rec.codec, chunks=chunks)
             records.append(sub)
             parts[id(sub)] = (rec, a)
             start = (a - want.first) * cs

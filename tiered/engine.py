@@ -258,7 +258,7 @@ class Engine:
         self._check_open()
         self.saves.raise_failure()
         t0 = time.perf_counter()
-        with self._api_lock:
+        with self._api_lock, tree.collector_paused():  # (metadata, indexes, plans: no cycles; see collector_paused)
             if self._distributed():
                 from tiered.distributed import agree_on_step
 
