@@ -43,19 +43,25 @@ def gpt(device: str) -> torch.nn.Module:
                                 "lnf": torch.nn.LayerNorm(8)}).to(device)
 
 
+def replicas(device: str, n: int = 10) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """`n` GPTs, each with an AdamW that has stepped once (its state made), from a fixed seed."""
+    torch.manual_seed(0)
+    reps = []
+    for _ in range(n):
+        m = gpt(device)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        sum(q.sum() for q in m.parameters()).backward()
+        o.step()
+        reps.append((m, o))
+    return reps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iterations", type=int, default=40)
     args = p.parse_args()
-    torch.manual_seed(0)
-    reps = []
-    for _ in range(10):
-        m = gpt(args.device)
-        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        sum(q.sum() for q in m.parameters()).backward()
-        o.step()
-        reps.append((m, o))
+    reps = replicas(args.device)
     opts = [o for _, o in reps]
 
     def state() -> dict:  # new dicts every save, as model.state_dict() and optimizer.state_dict() make

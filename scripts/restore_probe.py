@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiered  # noqa: E402
-from call_probe import gpt  # noqa: E402
+from call_probe import replicas  # noqa: E402
 from tiered import dcp_storage  # noqa: E402
 
 SPENT: dict[str, float] = collections.defaultdict(float)
@@ -60,14 +60,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    reps = []
-    for _ in range(10):
-        m = gpt(args.device)
-        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        sum(q.sum() for q in m.parameters()).backward()
-        o.step()
-        reps.append((m, o))
+    reps = replicas(args.device)
     state = {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(reps)}
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": args.dir}], "migration": "external"}
     where = tiered.__file__.rsplit("/tiered/", 1)[0]

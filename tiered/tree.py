@@ -302,17 +302,23 @@ def _tensor_leaf(obj: torch.Tensor, path: KeyPath, leaves: list[Leaf], seen: dic
     return refs[n] if n < len(refs) else _kept.ref(n)
 
 
-def _tensor_dict(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> dict:
-    """`_encode` of a dict whose every key is a str or int and every value a plain tensor or
-    Parameter (a model's state_dict, an optimizer's state of one parameter): a save's hot path,
-    walked in one pass instead of `_encode`'s pair by pair (16-17% of the walk of a GPT + AdamW
-    state: docs/benchmarks.md, session 24). Its leaves as `_tensor_leaf` makes them; its node kept
-    by its keys and the leaves it refers to."""
-    strided = torch.strided
+class _NotPlain(Exception):
+    """`_place` met a value that is not a plain tensor, or a key that is not a str or int."""
+
+
+def _place(obj: dict, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> list[int] | None:
+    """Make the leaves of a dict of tensors (key: a str or int; value: a plain tensor or Parameter),
+    each as `_tensor_leaf` makes it, in one pass. Returns None where every value is a new leaf
+    (len(leaves) at the call on, in order), else the leaf each value refers to (`seen`: a tensor
+    that is the same view of the same memory as an earlier leaf refers to that one). Raises
+    _NotPlain at a value or key of another kind, leaving the leaves made so far to the caller."""
+    strided, plain, keytypes = torch.strided, PLAIN_TENSORS, _PLAIN_KEYS
     append = leaves.append
     n0 = len(leaves)
     idx: list[int] | None = None  # (the leaves referred to, made only once a value is an earlier leaf)
     for k, t in obj.items():
+        if type(t) not in plain or type(k) not in keytypes:
+            raise _NotPlain
         if t.layout is not strided or t.is_quantized or t.is_nested:
             raise _unsupported(t, path + (k,))
         n = len(leaves)
@@ -331,6 +337,17 @@ def _tensor_dict(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: d
         if idx is not None:
             idx.append(n)
         append(_new_leaf(Leaf, (path + (k,), t.detach() if t.requires_grad else t, False)))
+    return idx
+
+
+def _tensor_dict(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> dict:
+    """`_encode` of a dict whose every key is a str or int and every value a plain tensor or
+    Parameter (a model's state_dict, an optimizer's state of one parameter): a save's hot path,
+    walked in one pass instead of `_encode`'s pair by pair (16-17% of the walk of a GPT + AdamW
+    state: docs/benchmarks.md, session 24). Its leaves as `_tensor_leaf` makes them; its node kept
+    by its keys and the leaves it refers to."""
+    n0 = len(leaves)
+    idx = _place(obj, path, leaves, seen)  # (the caller found every key and value plain)
     keys = tuple(obj)
     key = (tag, keys, n0) if idx is None else (tag, keys, tuple(idx))  # (no earlier leaf: leaves n0, n0 + 1, ...)
     kept = _kept.tensor_nodes
@@ -346,45 +363,24 @@ def _tensor_dict(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: d
 def _tensor_dicts(obj: dict, tag: str, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> dict | None:
     """`_encode` of a dict of dicts (exactly `dict`) of tensors, every key a str or int: an
     optimizer's state ({param id: {"step": t, "exp_avg": t, "exp_avg_sq": t}}), which is most of a
-    save's tensors, in small dicts. Walked in one pass, each tensor as `_tensor_dict` takes it, the
-    whole node kept by every inner dict's keys and leaves (one lookup, not one per inner dict): 14
-    ms of an 18 ms walk of 10,360 tensors was this (docs/benchmarks.md, session 27). None, with
-    nothing added, where some inner value is not a plain tensor (or some inner key not a str or
-    int): `_encode` then walks it node by node."""
-    strided, plain, keytypes = torch.strided, PLAIN_TENSORS, _PLAIN_KEYS
-    append = leaves.append
+    save's tensors, in small dicts. Walked in one pass (`_place` per inner dict), the whole node
+    kept by every inner dict's keys and leaves (one lookup, not one per inner dict): 14 ms of an
+    18 ms walk of 10,360 tensors was this (docs/benchmarks.md, session 27). None, with nothing
+    added, where some inner value is not a plain tensor (or some inner key not a str or int):
+    `_encode` then walks it node by node."""
     n0 = len(leaves)
     inner_keys: list[tuple[Any, ...]] = []
     firsts: list[Any] = []
     """Per inner dict: its first leaf (its leaves follow), or the tuple of the leaves it refers to."""
-    for k0, inner in obj.items():
-        ipath = path + (k0,)
-        n1 = len(leaves)
-        idx: list[int] | None = None
-        for k, t in inner.items():
-            if type(t) not in plain or type(k) not in keytypes:
-                _forget(leaves, seen, n0)
-                return None
-            if t.layout is not strided or t.is_quantized or t.is_nested:
-                raise _unsupported(t, ipath + (k,))
-            n = len(leaves)
-            if seen is not None:
-                addr = t.data_ptr()
-                same = seen.get(addr)
-                if same is None:
-                    seen[addr] = n
-                else:
-                    i = _same_view(t, addr, same, leaves, seen)
-                    if i is not None:
-                        if idx is None:
-                            idx = list(range(n1, n))
-                        idx.append(i)
-                        continue
-            if idx is not None:
-                idx.append(n)
-            append(_new_leaf(Leaf, (ipath + (k,), t.detach() if t.requires_grad else t, False)))
-        inner_keys.append(tuple(inner))
-        firsts.append(n1 if idx is None else tuple(idx))
+    try:
+        for k0, inner in obj.items():
+            n1 = len(leaves)
+            idx = _place(inner, path + (k0,), leaves, seen)
+            inner_keys.append(tuple(inner))
+            firsts.append(n1 if idx is None else tuple(idx))
+    except _NotPlain:
+        _forget(leaves, seen, n0)
+        return None
     keys = tuple(obj)
     key = (tag, keys, tuple(inner_keys), tuple(firsts))
     kept = _kept.tensor_nodes
