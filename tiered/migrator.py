@@ -284,12 +284,9 @@ def lower_process_priority() -> None:
 
 
 def lower_priority() -> None:
-    """Lower the calling thread's CPU priority (Linux: nice +10 for this thread only), so that
+    """Lower the calling thread's CPU priority (Linux: nice 10 for this thread only), so that
     background work yields the cores to training; a no-op where the OS does not allow it."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
+    threads.lower_priority(to=10)
 
 
 class MigrationLock:

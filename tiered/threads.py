@@ -60,11 +60,13 @@ def pool(workers: int | None, prefix: str, initializer: Callable[[], Any] | None
                               initializer=on_gpu(current_gpu() if gpu is None else gpu, initializer))
 
 
-def lower_priority(niceness: int = 10) -> None:
+def lower_priority(niceness: int = 10, *, to: int | None = None) -> None:
     """Make the calling thread yield the CPU to the process's other threads (Linux: its own nice
-    value, raised by `niceness`; elsewhere nothing). For CPU-heavy engine work beside training."""
+    value, raised by `niceness`, or set `to` a value; elsewhere, or where the OS refuses, nothing).
+    For CPU-heavy engine work beside training."""
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+        os.setpriority(os.PRIO_PROCESS, tid, to if to is not None else
+                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
     except (AttributeError, OSError):
         pass
