@@ -40,7 +40,7 @@ from tiered.format import TensorRecord
 from tiered.gpu_layout import Layout, Span
 from tiered.gpu_waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, encode_slots
 from tiered.gpu_restore import CHECKSUM_ROWS, restore_on
-from tiered.host_copy import HostCopier, copies_to_host
+from tiered.host_copy import HostCopier
 from tiered.plan import TensorPlan
 from tiered.staging import HostPool, RowRing, WavePages
 from tiered.units import format_size, round_up
