@@ -160,6 +160,10 @@ def warm_saves(engine, state, step: int, repeats: int, cuda: bool) -> None:
         if cuda:
             torch.cuda.current_stream().synchronize()
         rows.append((1e3 * (time.perf_counter() - t0), handle.timings["dcp_plan_ms"]))
+        t = handle.timings  # the call's parts: the plan (its walk and all-reduce), then staging
+        if not (t["dcp_walk_ms"] + t["dcp_agree_ms"] <= t["dcp_plan_ms"] and
+                t["dcp_plan_ms"] + t["dcp_stage_ms"] <= rows[-1][0]):
+            raise SystemExit(f"rank {dist.get_rank()}: the call's parts do not add up within it: {t}, call {rows[-1][0]} ms")
         handle.wait()
     if rows and dist.get_rank() == 0:
         print("warm saves at %d ranks: stall ms %s; of which DCP planning ms %s" % (
