@@ -14,6 +14,8 @@ import torch
 import tiered
 from tiered.config import ZstdSettings
 from tiered.gpu_recode import GpuRecoder
+from tiered import tree
+from tiered.plan import make_plan
 from tiered.probe import Sample, measure, sample_positions, tier_bandwidth
 from conftest import HAS_GPU
 from helpers import assert_same, trained_model
@@ -105,6 +107,59 @@ def test_a_probe_a_write_cache_fooled_is_capped_by_the_first_large_save(tmp_path
     assert "tier 'local' codec: zstd for the next saves" in caplog.text
 
 
+@pytest.mark.parametrize("bandwidth, expected", [("100GB/s", "none"), ("5MB/s", "zstd")])
+def test_reserve_decides_codec_auto_before_the_first_save(tmp_path, bandwidth, expected, caplog):
+    """`reserve` measures the sample at start-up: the first save already uses the codec chosen,
+    and nothing is measured after it (no thread beside training)."""
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "bandwidth": bandwidth}]}
+    state = {"w": torch.randn(2_000_000), "b": torch.randn(300_000).to(torch.bfloat16)}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        assert engine.saves.codec.pending
+        engine.reserve(state)
+        assert not engine.saves.codec.pending and engine.fast_codec == expected
+        assert "codec: auto" not in engine.describe()
+        engine.save(1, state).wait()
+        assert engine.saves.codec._thread is None  # (a configured bandwidth: no first-save check either)
+        _, index = engine.read_index(1)
+        assert {t.codec.name for t in index.tensors} == {expected}
+        assert_same(state, engine.load(1))
+    assert f"tier 'local' codec: {expected} for the next saves" in caplog.text and "at reserve()" in caplog.text
+    assert caplog.text.count("for the next saves") == 1
+
+
+def test_after_reserve_a_slow_first_save_still_caps_a_probe_a_write_cache_fooled(tmp_path, monkeypatch, caplog):
+    """The probe read a write cache (100 GB/s): `reserve` chooses to store as is; the first save
+    of OBSERVE_BYTES or more writes at a few MB/s, and the same sample decides again: zstd."""
+    import tiered.probe as probe
+    from tiered.tiers.local import LocalTier
+
+    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(probe, "OBSERVE_BYTES", 1 << 20)
+    monkeypatch.setattr(LocalTier, "probe_bandwidth", lambda self, n: 100e9)
+    real_commit = LocalTier.commit
+
+    def slow_commit(self, step, manifest):
+        time.sleep(1.0)
+        return real_commit(self, step, manifest)
+
+    monkeypatch.setattr(LocalTier, "commit", slow_commit)
+    encoded: list[str] = []
+    real_measure = probe.measure
+    monkeypatch.setattr(probe, "measure", lambda sample, names, **kw: encoded.append("x") or real_measure(sample, names, **kw))
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}]}
+    state = {"w": torch.randn(2_000_000), "b": torch.randn(300_000).to(torch.bfloat16)}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        engine.reserve(state)
+        assert engine.fast_codec == "none", caplog.text
+        engine.save(1, state).wait()
+        engine.saves.codec.join(60)
+        assert engine.fast_codec == "zstd", caplog.text
+        engine.save(2, state).wait()
+        assert {t.codec.name for t in engine.read_index(2)[1].tensors} == {"zstd"}
+    assert len(encoded) == 1  # the sample was encoded once, at reserve()
+    assert "below the probe's" in caplog.text
+
+
 def test_migration_codec_auto_on_a_slow_portable_tier_is_zstd(tmp_path):
     cfg = {"migration": "in_process", "tiers": [
         {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "codec": "none"},
@@ -171,3 +226,31 @@ def test_codec_auto_on_gpu_takes_the_save_codecs_rate_from_the_save_and_little_m
         assert got["ans"].throughput == pytest.approx(5e10) and got["ans"].ratio < 1
         assert 0 < got["zstd"].ratio < 1 and got["none"].ratio == pytest.approx(1, abs=0.02)
     assert "measuring failed" not in caplog.text
+
+
+@pytest.mark.gpu
+def test_reserve_on_gpu_measures_a_full_batch_and_gives_its_memory_back(tmp_path, caplog):
+    """On a GPU with room, `reserve` measures every codec at a full batch at start-up and gives
+    that memory back to training's allocator; the first save is ANS and measures nothing."""
+    model, opt = trained_model("cuda", steps=3)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "l"), "bandwidth": "2GB/s"}]}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
+        device = engine.saves.workers.device(torch.cuda.current_device())
+        device.wait_warm()
+        leaves = tree.flatten(state)[1]
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        engine.saves.codec.at_reserve(make_plan(leaves, "ans", engine.config.chunk_size, True))  # what reserve() calls
+        assert not engine.saves.codec.pending and engine.fast_codec == "ans", caplog.text
+        # the full batch was measured (2 x 256 MiB on a stream of its own), and none of it is left cached
+        assert torch.cuda.memory_reserved() - before < 64 << 20
+        assert "ans" in caplog.text and "zstd" in caplog.text
+        engine.reserve(state)  # (decided: measures nothing again)
+        engine.save(1, state).wait()
+        assert engine.saves.codec._thread is None
+        assert {t.codec.name for t in engine.read_index(1)[1].tensors if t.device.startswith("cuda")} == {"ans"}
+        assert_same({k: v.cpu() for k, v in state["model"].items()}, dict(engine.load(1, device="cpu")["model"]))
+    assert caplog.text.count("at reserve()") == 1 and "measuring failed" not in caplog.text
+

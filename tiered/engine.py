@@ -109,7 +109,7 @@ class Engine:
     def describe(self) -> str:
         """One line: where checkpoints go and how they are encoded on this machine."""
         codec = self.saves.codec.codec
-        auto = " (codec: auto; measured on the first save)" if self.saves.codec.pending else ""
+        auto = " (codec: auto; measured at reserve() or on the first save)" if self.saves.codec.pending else ""
         how = (f"GPU tensors: {codec} on the GPU via KvikIO; CPU tensors: {'zstd' if codec == 'ans' else codec}"
                if self.gpu_codecs else
                f"no GPU codecs here: every tensor is stored with {'zstd' if codec == 'ans' else codec} on the CPU")
@@ -177,9 +177,9 @@ class Engine:
         bytes) now, in the background, rather than during the first save that needs it.
 
         Call it once the state exists (after the first step, where the optimizer makes its state).
-        Given the state dict it also plans its saves, lays them out in the GPU pack buffer and runs
-        their GPU kernels once; under torch.distributed it plans them with DCP, so every rank calls
-        it, as with `save` (`local`: as `save(..., local=True)`, this rank alone)."""
+        Given the state dict it also decides `codec: auto` from a sample of it, plans its saves, lays
+        them out in the GPU pack buffer and runs their kernels once; under torch.distributed it plans
+        with DCP, so every rank calls it, as `save` (`local`: as `save(..., local=True)`)."""
         if not isinstance(state, int):
             with self._api_lock, tree.collector_paused():
                 state = (self._dist.reserve(state) if not local and self._distributed()

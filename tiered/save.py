@@ -184,13 +184,16 @@ class SavePipeline:
     def reserve(self, state_dict: Any, *, rank_only: bool = False) -> int:
         """For `Engine.reserve`, at start-up (under torch.distributed, `rank_only`: this rank's
         items of the plan DCP made, `DistributedSaver.reserve`): ready the GPUs for saves of
-        `state_dict` (streams, the checksum kernel compiled), plan it as `save` does, lay it out
+        `state_dict` (streams, the checksum kernel compiled), decide `codec: auto` from a sample
+        of it (`FastTierCodec.at_reserve`), plan it as `save` does, lay it out
         in each GPU's pack buffer and run the save's kernels once (`GpuDevice.prepare`), so that
         the first save of its structure reuses the plan and the layout and loads no kernel.
         Returns its tensors' bytes."""
         leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
         tensors = [leaf.tensor for leaf in leaves]
         self.workers.prepare(tensors)
+        if self.codec.pending:  # codec: auto decides now, not beside training after the first save
+            self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
