@@ -252,8 +252,8 @@ class FastTierCodec:
         self._thread: threading.Thread | None = None
         self._started = 0.0
         self._reserved: tuple[list[CodecSample], float, bool] | None = None
-        """What `at_reserve` decided from (its samples, the tier's rate), for the first save to
-        cap that rate with its own (`_recheck`)."""
+        """What `at_reserve` decided from (its samples, the tier's rate, whether saves pipeline
+        encode and write: CPU ones), for the first save to cap that rate with its own (`_recheck`)."""
 
     def at_reserve(self, plan: Any) -> None:
         """Decide now, at start-up, from a sample of `plan`'s state (what `Engine.reserve` will
