@@ -70,8 +70,6 @@ class DistributedSaver:
         """Where the planning's collectives run: None for the default group, which does CPU ones."""
         self._reuse = PlanReuse()
         """The last save's plan, reused while the state keeps its structure."""
-        self._plan_ms: dict[str, float] = {}
-        """The last `_plan`'s walk and all-reduce, in ms (a save's timings)."""
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._jobs: "queue.Queue[Any]" = queue.Queue()
@@ -83,7 +81,8 @@ class DistributedSaver:
         coordinator = self.rank == 0
         writer = StepWriter(self.saves, step)
         writer.set_up_storage_writer(coordinator, rank=self.rank)
-        final, metadata, resolve = self._plan(state_dict, writer)
+        parts: dict[str, float] = {}
+        final, metadata, resolve = self._plan(state_dict, writer, parts)
         t1 = time.perf_counter()
         save_id = f"{final.storage_data}/{step}"  # a reused plan carries the id of the save that made it
         try:
@@ -102,26 +101,27 @@ class DistributedSaver:
         # Where a distributed call goes: DCP's plan (of it: the walk of the state, and the one
         # all-reduce, which also waits for the slowest rank to call save), then this rank's items
         # and their staging (the single-process timings above).
-        handle.timings.update(dcp_plan_ms=1e3 * (t1 - t0), dcp_stage_ms=1e3 * (time.perf_counter() - t1),
-                              **self._plan_ms)
+        handle.timings.update(dcp_plan_ms=1e3 * (t1 - t0), dcp_stage_ms=1e3 * (time.perf_counter() - t1), **parts)
         with self._lock:
             self._pending.append(handle)
         handle.stall_s = time.perf_counter() - t0
         self._jobs.put((step, list(final.items), rank_handle, metadata, save_id, handle, t0))
         return handle
 
-    def _plan(self, state_dict: Any, writer: StepWriter) -> tuple[Any, Any, Any]:
+    def _plan(self, state_dict: Any, writer: StepWriter,
+              timings: dict[str, float] | None = None) -> tuple[Any, Any, Any]:
         """(this rank's final DCP plan, the metadata (the coordinator's), a resolver of its items'
         data) for a save of `state_dict` through `writer`. Every save of a training run has the
         same structure: when no rank's state changed structure (tiered.dcp_reuse; one all-reduce
         of a flag tells), the last plan is reused, without DCP planning, gathering and
-        scattering it again."""
+        scattering it again. `timings` gets the walk's and the all-reduce's milliseconds."""
         coordinator = self.rank == 0
         t0 = time.perf_counter()
         sig, leaves = self._reuse.walk(state_dict)
         t1 = time.perf_counter()
         same = self._all(self._reuse.matches(sig))
-        self._plan_ms = {"dcp_walk_ms": 1e3 * (t1 - t0), "dcp_agree_ms": 1e3 * (time.perf_counter() - t1)}
+        if timings is not None:
+            timings.update(dcp_walk_ms=1e3 * (t1 - t0), dcp_agree_ms=1e3 * (time.perf_counter() - t1))
         if same:
             final, metadata = self._reuse.plan()
             if coordinator:
