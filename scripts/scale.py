@@ -65,7 +65,8 @@ from typing import Any, Callable
 
 import torch
 
-from scale_measure import Row, Run, Window, barrier, combine, gather, gpu_free, rank, say, sync, tensors_of, world
+from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync, tensors_of,
+                           world)
 from scale_methods import METHODS, close_shared, tiered_engine
 
 GiB = 1 << 30
@@ -143,23 +144,6 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     return out
 
 
-def disk_together(root: Path, nbytes: int) -> dict:
-    """The disk's O_DIRECT write and read rates with every rank probing it at once, each on a
-    file of its own of `nbytes` (at least 256 MiB): the disk the ranks' saves and restores share.
-    A rank's rate is its bytes over its own time; together, all bytes over the slowest rank's
-    time (the ranks start at a barrier; one may start reading while another still writes)."""
-    import baselines
-
-    mine = root / f"rank{rank()}"
-    barrier()
-    got = gather(baselines.disk_ceilings(mine, max(256 << 20, nbytes)))
-    shutil.rmtree(mine, ignore_errors=True)
-    total = sum(g["bytes"] for g in got)
-    rate = {k: round(total / max(g["bytes"] / g[k] for g in got), 3) for k in ("write_gbps", "read_gbps")}
-    return {**rate, "ranks": len(got), "bytes_per_rank": got[0]["bytes"], "o_direct": all(g["o_direct"] for g in got),
-            "per_rank": [{k: g[k] for k in ("write_gbps", "read_gbps")} for g in got]}
-
-
 def disk_bounds(ceilings: dict) -> dict:
     """The write and read rates that the durable and restore targets are held to: the disk
     probed by one rank alone, or (several ranks) by all at once, whichever was faster: the
@@ -197,6 +181,11 @@ def targets(out: dict) -> dict:
             bound = 1.15 * t["stored_bytes"] / (disk["read_gbps"] * 1e9)
             res[f"{t['name']}: restore <= 1.15 x stored / read ceiling"] = (
                 t["restore_s"] <= bound, f"{t['restore_s']} s vs {bound:.2f} s")
+            at = t.get("read_gbps_at_restore")
+            if at:  # the disk as it read just before the restore, every rank at once (`restore_check`)
+                bound = 1.15 * t["stored_bytes"] / (at * 1e9)
+                res[f"{t['name']}: restore <= 1.15 x stored / read ceiling probed just before it"] = (
+                    t["restore_s"] <= bound, f"{t['restore_s']} s vs {bound:.2f} s ({at} GB/s)")
     return {k: {"met": bool(ok), "measured": got} for k, (ok, got) in res.items()}
 
 

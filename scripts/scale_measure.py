@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -386,7 +387,14 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
 
 
 def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches: Callable[[], bool],
-                  load: Callable[[], None]) -> None:
+                  load: Callable[[], None], probe_root: Path | None = None) -> None:
+    """Zero the state, drop the page cache, time `load()` and check the state bit-exact. With
+    `probe_root`, first probe the disk's read rate there, every rank at once (`disk_together`,
+    2 GiB a rank): `read_gbps_at_restore`. The ceilings taken before the saves are minutes and
+    three saves' worth of writes earlier, and these virtual disks' rates moved by up to 40% within
+    a run (GPU runs 270-271), which left a restore bound that the disk itself may no longer reach."""
+    if probe_root is not None:
+        row.extra["read_gbps_at_restore"] = disk_together(probe_root, 2 << 30)["read_gbps"]
     zero_(state)
     drop_caches()
     sync(device)
@@ -396,6 +404,23 @@ def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches:
     sync(device)
     row.restore_s = round(time.perf_counter() - t0, 2)
     row.exact = fingerprint(state) == prints
+
+
+def disk_together(root: Path, nbytes: int) -> dict:
+    """The disk's O_DIRECT write and read rates with every rank probing it at once, each on a
+    file of its own of `nbytes` (at least 256 MiB): the disk the ranks' saves and restores share.
+    A rank's rate is its bytes over its own time; together, all bytes over the slowest rank's
+    time (the ranks start at a barrier; one may start reading while another still writes)."""
+    import baselines
+
+    mine = root / f"rank{rank()}"
+    barrier()
+    got = gather(baselines.disk_ceilings(mine, max(256 << 20, nbytes)))
+    shutil.rmtree(mine, ignore_errors=True)
+    total = sum(g["bytes"] for g in got)
+    rate = {k: round(total / max(g["bytes"] / g[k] for g in got), 3) for k in ("write_gbps", "read_gbps")}
+    return {**rate, "ranks": len(got), "bytes_per_rank": got[0]["bytes"], "o_direct": all(g["o_direct"] for g in got),
+            "per_rank": [{k: g[k] for k in ("write_gbps", "read_gbps")} for g in got]}
 
 
 @dataclass

@@ -77,7 +77,8 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
     say(f"#   {row.name} save() phases, first save ms: {row.extra['first_save_timings_ms']}")
     last = first_step + run.windows
     row.stored = engine.read_index(last)[0].stored_bytes
-    restore_check(row, run.state, prints, run.device, run.drop_caches, lambda: engine.restore(run.state, step=last))
+    restore_check(row, run.state, prints, run.device, run.drop_caches, lambda: engine.restore(run.state, step=last),
+                  run.root / "ceiling-restore")
     barrier()
     if rank() == 0:
         engine.catalog.fast.delete(last)
@@ -138,7 +139,8 @@ def _dcp_row(row: Row, run: Run, base: float, stager: Any) -> None:
     last = root / str(run.windows)
     barrier()
     row.stored = dir_bytes(last)
-    restore_check(row, run.state, prints, device, run.drop_caches, lambda: dcp.load(run.state, checkpoint_id=str(last)))
+    restore_check(row, run.state, prints, device, run.drop_caches, lambda: dcp.load(run.state, checkpoint_id=str(last)),
+                  run.root / "ceiling-restore")
     barrier()
     if rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -183,7 +185,7 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
         for dst, src in zip(tensors_of(run.state), tensors_of(loaded)):
             dst.copy_(src)
 
-    restore_check(row, run.state, prints, run.device, run.drop_caches, load)
+    restore_check(row, run.state, prints, run.device, run.drop_caches, load, run.root / "ceiling-restore")
     barrier()
     if rank() == 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -774,6 +774,27 @@ def test_the_scale_bench_holds_several_ranks_to_the_faster_of_the_disk_alone_and
     assert got["tiered_overlap: restore <= 1.15 x stored / read ceiling"] == {"met": True, "measured": "9.0 s vs 11.50 s"}
 
 
+def test_the_scale_bench_also_judges_a_restore_by_the_disk_probed_just_before_it():
+    """The read ceiling probed just before a restore is a second restore target beside the
+    start-of-run one, which stays as it was: the disk may have slowed in between."""
+    scale = _script("scale")
+    row = {"name": "tiered_overlap", "error": None, "warm_stall_ms": {"median": 100.0}, "first": {"stall_ms": 90.0},
+           "warm_durable_s": {"median": 9.0}, "restore_s": 16.0, "stored_bytes": 2 * 10**10,
+           "read_gbps_at_restore": 1.5}
+    got = scale.targets({"ceilings": {"disk": {"write_gbps": 3.0, "read_gbps": 2.0}}, "rows": [row]})
+    assert got["tiered_overlap: restore <= 1.15 x stored / read ceiling"] == {"met": False,
+                                                                             "measured": "16.0 s vs 11.50 s"}
+    at = got["tiered_overlap: restore <= 1.15 x stored / read ceiling probed just before it"]
+    assert at["measured"] == "16.0 s vs 15.33 s (1.5 GB/s)" and at["met"] is False
+    row["restore_s"] = 15.0
+    got = scale.targets({"ceilings": {"disk": {"write_gbps": 3.0, "read_gbps": 2.0}}, "rows": [row]})
+    assert got["tiered_overlap: restore <= 1.15 x stored / read ceiling probed just before it"]["met"] is True
+    assert got["tiered_overlap: restore <= 1.15 x stored / read ceiling"]["met"] is False
+    del row["read_gbps_at_restore"]
+    assert not any("just before" in k for k in scale.targets({"ceilings": {"disk": {"write_gbps": 3.0,
+                                                                                   "read_gbps": 2.0}}, "rows": [row]}))
+
+
 def test_the_bench_finds_where_the_engines_threads_held_the_gil():
     """scripts/gil_watch.py (`bench.py --scale ... --gil-watch`): a thread that asks for the GIL
     every millisecond waits while an engine thread holds it in a long C call (a sort), and notes
