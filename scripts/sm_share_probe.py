@@ -18,6 +18,10 @@ kernels, in the primary context, still use them all. This probe:
    between them so that the machine's drift falls on every kind alike.
 
 Prints a line per measurement and writes them to --out as JSON. No timing is asserted anywhere.
+
+Run 277 (H100, docs/benchmarks.md session 29): the step lost about what the work takes of the
+whole GPU alone (+4.0 to +5.0 ms against 5.2 ms), on 16, 32, 66 or all 132 SMs; the green
+contexts' output differed from the ordinary stream's. Nothing of it went into the engine.
 """
 
 from __future__ import annotations
