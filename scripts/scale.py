@@ -45,9 +45,13 @@ first save minus the least seen after; for tiered, from before the engine was ma
 process's resident set, pinned buffers included); the cold restore into the zeroed state, page
 cache dropped where permitted, checked bit-exact by a fingerprint of every tensor taken before
 zeroing. Same-run ceilings: O_DIRECT write and read of the disk (under torchrun by rank 0 alone,
-then by every rank at once; the durable and restore targets use the faster), pinned device-to-host copy, and
+then by every rank at once; the durable and restore targets use the faster; and the read rate
+again just before each restore, every rank at once, a second restore target: these disks drift
+within a run), pinned device-to-host copy, and
 the GPU codecs' encode rate alone on a batch of the state's own tensors (what compressing the
-state takes of a GPU that training keeps busy). Per save, also the full passes of Python's
+state takes of a GPU that training keeps busy). Per save, also where its stall lands: each step
+of its window against the same step of the window just before it (`extra_steps_ms`; the row's
+`warm_extra_steps_ms`: their medians over the warm saves, printed beside the call), and the full passes of Python's
 collector that ran inside its window, on any thread and on the engine's (`scripts/gc_watch.py`):
 one holds the GIL for ~0.2 s here, and shows as stall whoever set it off; and those from the call
 until the step was durable (`full_gc_to_durable_ms`), which also covers the commit, long after
@@ -219,6 +223,12 @@ def print_size(out: dict) -> None:
               f"{cm['median']} | "
               f"{d['median']} ({d['min']}–{d['max']}) | {r['stored_bytes'] / 1e9:.2f} | {r['gpu_taken_bytes'] / 1e9:.2f} | "
               f"{r['host_taken_bytes'] / 1e9:.2f} | {r['restore_s']} | {r['restore_bit_exact']} |")
+    for r in out["rows"]:
+        x, cm = r.get("warm_extra_steps_ms"), r.get("warm_call_ms")
+        if x and cm and not r["error"]:
+            print(f"{r['name']}: where the warm stall lands (medians, ms): the call {cm['median']}, then each step of "
+                  f"the window against the same step of the window just before it: "
+                  + ", ".join(f"{v:+.1f}" for v in x[:-1]) + f"; the GPU's backlog at the end {x[-1]:+.1f}")
     for r in out["rows"]:
         b = r.get("baseline_window_ms")
         if b and not r["error"]:

@@ -257,7 +257,9 @@ class Row:
         # Saves from the third on, apart: the second save of a run has stalled more than later ones
         # at 24 GB (GPU runs 165-166: 453-885 ms against 107-524), with codec: auto's measurement
         # beside it and, less, without; the warm median the targets use still counts it.
+        extra = [s["extra_steps_ms"] for s in warm if s.get("extra_steps_ms")]
         return {"name": self.name, "note": self.note, "error": self.error, "saves": self.saves,
+                "warm_extra_steps_ms": [round(statistics.median(col), 1) for col in zip(*extra)] if extra else None,
                 "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
                 "later_stall_ms": stats("stall_ms", self.saves[2:]),
                 "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"),
@@ -331,6 +333,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
 
         barrier()
         near = window.run()[0]  # the window without a save, now (see above); it trains the state on
+        near_steps = window.last_steps_ms
         if k == saves - 1:
             prints = fingerprint(state)
         barrier()
@@ -366,7 +369,11 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             row.add(near, secs, call, done - t_call[0], low, free0, rss(), rss0)
             rec = row.saves[-1]
         rec.update(base_ms=round(1e3 * near, 1), stall_vs_start_ms=None if oom else round(1e3 * (secs - base), 1),
-                   steps_ms=None if oom else window.last_steps_ms, full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
+                   steps_ms=None if oom else window.last_steps_ms, base_steps_ms=near_steps,
+                   # Where the stall lands: each step of the save's window against the same step of
+                   # the window just before it (the last entry: the wait for the GPU's backlog).
+                   extra_steps_ms=None if oom else [round(a - b, 1) for a, b in zip(window.last_steps_ms, near_steps)],
+                   full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
                    full_gc_to_durable_ms=whole.ms, engine_full_gc_to_durable_ms=whole.engine_ms,
                    **(gil.summary() if run.gil_watch else {}))
         if k and not run.one_copy:

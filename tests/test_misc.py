@@ -795,6 +795,18 @@ def test_the_scale_bench_also_judges_a_restore_by_the_disk_probed_just_before_it
                                                                                    "read_gbps": 2.0}}, "rows": [row]}))
 
 
+def test_the_scale_bench_says_which_steps_of_a_window_a_warm_save_slowed():
+    """Each save's steps are set against the same steps of the window just before it; the row
+    keeps the median of each step's extra over the warm saves (the first, cold, save left out)."""
+    measure = _script("scale_measure")
+    row = measure.Row("tiered_overlap")
+    for extra in ([500.0, 9.0, 1.0, 0.0], [40.0, 3.0, -1.0, 0.0], [60.0, 5.0, 1.0, 2.0], [50.0, 4.0, 3.0, 0.0]):
+        row.add(1.0, 1.1, 0.02, 5.0, 0, 0, 0, 0)
+        row.saves[-1]["extra_steps_ms"] = extra
+    assert row.summary()["warm_extra_steps_ms"] == [50.0, 4.0, 1.0, 0.0]
+    assert measure.Row("none").summary()["warm_extra_steps_ms"] is None
+
+
 def test_the_bench_finds_where_the_engines_threads_held_the_gil():
     """scripts/gil_watch.py (`bench.py --scale ... --gil-watch`): a thread that asks for the GIL
     every millisecond waits while an engine thread holds it in a long C call (a sort), and notes
