@@ -280,7 +280,7 @@ def combine(rows: list[dict]) -> dict:
     errors = [f"rank {i}: {r['error']}" for i, r in enumerate(rows) if r["error"]]
     row.error = "; ".join(errors) or None
     n = min(len(r["saves"]) for r in rows)
-    row.saves = [{k: max(r["saves"][j][k] for r in rows) for k in first["saves"][j]} for j in range(n)]
+    row.saves = [_slowest([r["saves"][j] for r in rows]) for j in range(n)]
     row.gpu_taken = max(r["gpu_taken_bytes"] for r in rows)
     row.host_taken = sum(r["host_taken_bytes"] for r in rows)
     row.stored = sum(r["stored_bytes"] for r in rows) if first.get("stored_per_rank") else first["stored_bytes"]
@@ -291,6 +291,15 @@ def combine(rows: list[dict]) -> dict:
     known = set(Row("", "").summary())
     row.extra = {k: v for k, v in first.items() if k not in known}
     return row.summary()
+
+
+def _slowest(saves: list[dict]) -> dict:
+    """One save as every rank measured it: each number the largest of the ranks' (its slowest
+    rank), each list (its steps) the one of the rank whose stall was largest, so that a save's
+    steps and its baseline window's come from one rank."""
+    worst = max(saves, key=lambda s: s.get("stall_ms") or 0.0)
+    return {k: worst[k] if isinstance(v, list) or v is None else max(s[k] for s in saves)
+            for k, v in saves[0].items()}
 
 
 def done_at(fut: Any) -> list[float]:
