@@ -106,8 +106,7 @@ class Work:
 
     def result(self, stream: torch.cuda.Stream) -> tuple[bytes, list[int]]:
         stream.synchronize()  # (a device synchronize waits for the primary context's streams only)
-        return (bytes(self.pack[:self.packed_bytes].cpu().numpy().tobytes()[:1 << 24]),
-                self.sums.cpu().tolist())
+        return (self.pack[:min(self.packed_bytes, 1 << 24)].cpu().numpy().tobytes(), self.sums.cpu().tolist())
 
 
 def gpu_ms(stream: torch.cuda.Stream, fn) -> float:
