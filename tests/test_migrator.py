@@ -114,6 +114,55 @@ def test_migration_is_idempotent_and_deterministic(tmp_path):
         assert files_of(tmp_path / "other") == first
 
 
+def test_copied_index_follows_a_target_that_falls_back_to_buffered_writes(tmp_path, monkeypatch):
+    """A copy makes the new index while its last writes land. Where the target then falls back to
+    buffered writes (O_DIRECT refused on the file's last write, after the index was made), the
+    index it stores says so, its data_bytes is the file's, and the step reads back."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    import errno
+    import threading
+
+    from tiered.format import RankIndex
+
+    state = {"w": torch.randn(2_000_000), "b": torch.randn(5)}
+    with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
+        engine.save(1, state).wait()
+        _, src = engine.read_index(1)
+        made = threading.Event()
+        real_to_json, real_open, real_pwrite = RankIndex.to_json, os.open, os.pwrite
+        direct: set[int] = set()
+
+        def to_json(self):
+            raw = real_to_json(self)
+            made.set()
+            return raw
+
+        def open_(path, flags, *args):
+            fd = real_open(path, flags, *args)
+            if flags & os.O_DIRECT and str(path).startswith(str(tmp_path / "shared")):
+                direct.add(fd)
+            return fd
+
+        def pwrite(fd, buf, offset):
+            if fd in direct and offset + len(buf) >= src.data_bytes:  # the file's last write
+                assert made.wait(60), "the index was not made before the last write landed"
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(fd, buf, offset)
+
+        monkeypatch.setattr(RankIndex, "to_json", to_json)
+        monkeypatch.setattr(os, "open", open_)
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        migrate_step(1, engine.get_tier("nvme"), engine.get_tier("shared"), codec="zstd")
+        monkeypatch.undo()
+        if not direct:
+            pytest.skip(f"{tmp_path} takes no O_DIRECT files")
+        _, index = engine.read_index(1, tier="shared")
+        assert "posix-buffered" in index.io and "odirect" not in index.io
+        assert index.data_bytes == (tmp_path / "shared").rglob("*.data").__next__().stat().st_size == src.data_bytes
+        assert_same(state, engine.load(1, tier="shared"))
+
+
 def test_migration_killed_mid_copy_restarts_to_identical_files(tmp_path, s3_server, s3_bucket):
     cfg = cluster(tmp_path, "none", s3_server, s3_bucket)
     with tiered.Engine.from_config(cfg) as engine:

@@ -4,16 +4,17 @@
 (ranged reads across tensor boundaries, several ahead), verify every chunk's checksum, keep the
 chunk or decode and re-encode it (the CPU pool for codecs a CPU runs, a `GpuRecoder` for the
 others), and write the results end to end, behind on a thread of their own; it returns the
-rank's new index. The GPU side of migration (`GpuRecoder`) is tiered.gpu_recode's.
+rank's new index and its JSON. The GPU side of migration (`GpuRecoder`) is tiered.gpu_recode's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -69,9 +70,21 @@ class Prefetched:
             self._head = None
 
 
+class CopiedRank(NamedTuple):
+    """What `copy_rank` made: the rank's new index, and that index as the JSON the target stores."""
+
+    index: RankIndex
+    raw: bytes
+
+
 def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress,
-              buffers: WindowBuffers | None = None, prefetched: Prefetched | None = None) -> RankIndex:
-    """`prefetched`: the caller's reader of this rank's data file (it closes it); None: one of its own."""
+              buffers: WindowBuffers | None = None, prefetched: Prefetched | None = None) -> CopiedRank:
+    """`prefetched`: the caller's reader of this rank's data file (it closes it); None: one of its own.
+
+    The new index and its JSON are made once every chunk is handed to the writes, while the last
+    of them land (a plain copy of 2,000 tensors on the 2-core CPU machine spent 16 ms on them
+    after its data file was closed, on the copy's critical path); where the file's end or I/O
+    mode came out otherwise than assumed then, they are made again."""
     own_reader = prefetched is None
     reader = prefetched.reader if prefetched is not None else \
         src.open_data_reader(step, index.data_file, device=False) if index.data_bytes else None
@@ -110,6 +123,13 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
                     end += round_up(size, ALIGNMENT)
                 out.add(start, data, done=release, pad=end - start - len(data))
             i = k
+        records = tuple(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape,
+                                     device=rec.device, is_numpy=rec.is_numpy, codec=spec,
+                                     chunks=ChunkTable.packed(chunks[rec.index]))
+                        for rec, spec in zip(ordered, specs))
+        new = RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=end, chunk_size=index.chunk_size,
+                        skeleton=index.skeleton, tensors=records, io=getattr(writer, "io_mode", ""))
+        raw = new.to_json()  # (while the writes handed over above land)
         out.finish()
         data_bytes = writer.close()
     except BaseException:
@@ -119,11 +139,11 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
     finally:
         if reader is not None and own_reader:
             reader.close()
-    records = tuple(TensorRecord(index=rec.index, name=rec.name, dtype=rec.dtype, shape=rec.shape, device=rec.device,
-                                 is_numpy=rec.is_numpy, codec=spec, chunks=ChunkTable.packed(chunks[rec.index]))
-                    for rec, spec in zip(ordered, specs))
-    return RankIndex(rank=index.rank, data_file=index.data_file, data_bytes=data_bytes, chunk_size=index.chunk_size,
-                     skeleton=index.skeleton, tensors=records, io=getattr(writer, "io_mode", ""))
+    io = getattr(writer, "io_mode", "")
+    if data_bytes != new.data_bytes or io != new.io:  # (a file tier that fell back to buffered writes, say)
+        new = dataclasses.replace(new, data_bytes=data_bytes, io=io)
+        raw = new.to_json()
+    return CopiedRank(new, raw)
 
 
 def _needs_gpu(rec: TensorRecord, spec: CodecSpec) -> bool:

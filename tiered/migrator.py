@@ -85,9 +85,8 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
         begun.result()
         ranks, stored = [], 0
         for i, (entry, index) in enumerate(zip(manifest.ranks, indexes)):
-            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers,
-                                  first if i == 0 else None)
-            raw_index = new_index.to_json()
+            new_index, raw_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers,
+                                             first if i == 0 else None)
             dst.write_file(step, entry.index_file, raw_index)
             stored += sum(t.stored_bytes for t in new_index.tensors)
             ranks.append(RankEntry(entry.rank, entry.index_file, len(raw_index), checksum.wsum64(raw_index),
@@ -125,8 +124,8 @@ def _migrate_ranks(step: int, src: Any, dst: Any, manifest: Manifest, indexes: l
                 continue  # copied by an earlier attempt: an index is written after its data file
             dst.begin_rank(step, index.rank)
             begun.append(index.rank)
-            new_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers)
-            dst.write_file(step, index_file_name(index.rank), new_index.to_json())
+            dst.write_file(step, index_file_name(index.rank),
+                           copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers).raw)
         if dst.file_size(step, manifest.dcp.name) != manifest.dcp.size:
             dst.write_file(step, manifest.dcp.name, read_pinned(src, step, manifest.dcp))
     except BaseException:
