@@ -159,7 +159,8 @@ def test_copied_index_follows_a_target_that_falls_back_to_buffered_writes(tmp_pa
             pytest.skip(f"{tmp_path} takes no O_DIRECT files")
         _, index = engine.read_index(1, tier="shared")
         assert "posix-buffered" in index.io and "odirect" not in index.io
-        assert index.data_bytes == (tmp_path / "shared").rglob("*.data").__next__().stat().st_size == src.data_bytes
+        data_file = next((tmp_path / "shared").rglob("*.data"))
+        assert index.data_bytes == data_file.stat().st_size == src.data_bytes
         assert_same(state, engine.load(1, tier="shared"))
 
 
