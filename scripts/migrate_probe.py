@@ -8,6 +8,10 @@ its rate reading one file while writing another (both tiers of this probe are on
 copy reads and writes it at once; not a bound on the copy, see `baselines.disk_ceilings`).
 
     python3 scripts/migrate_probe.py [THREADS] [--dir D] [--src-dir S] [--mb 256] [--paths none,zstd,ans] [--rounds 1]
+                                     [--interleave]
+
+`--interleave` (with `--rounds`): a plain copy is also set against write probes of its own size
+taken between its rounds, not only against the one at the start of the run.
 
 `--src-dir /dev/shm/probe` puts the source (local) tier in memory: a copy then reads no disk, and
 a plain copy's rate is set against the destination disk's write ceiling alone.
@@ -49,6 +53,12 @@ rounds = int(_opt("--rounds", "1"))
 write-ceiling probe of its own, taken just before it, was tried and left out: right after a probe
 of 1 GB the copies ran 63-99% of it, and the same copies ran 86-93% of the start-of-run probe;
 docs/benchmarks.md, session 29.)"""
+interleave = "--interleave" in sys.argv
+"""Plain copies: a write-ceiling probe of the bytes a copy writes before each steady round, the
+probes' median set against the rounds' (a probe and a copy alternate, so each follows the other
+as often, and the disk's drift over the run falls on both). The start-of-run probe is one
+moment of a disk whose write rate moved by a third within minutes (GPU run 285: 2.13 -> 1.29
+GB/s)."""
 
 
 
@@ -58,11 +68,12 @@ BUFFERS = WindowBuffers()
 on the 2-core CPU machine)."""
 
 
-def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[float, float, float]:
+def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[float, float, float, list[float]]:
     """GB/s of raw state migrated: the step's first migration, and the median of `rounds` more (the
     steady state of a migrator: its buffers kept; the step deleted from the target in between),
-    each with the source's data file out of the page cache; and the bytes the target's data files
-    hold per raw byte (what a disk writes)."""
+    each with the source's data file out of the page cache; the bytes the target's data files
+    hold per raw byte (what a disk writes); and, with `--interleave`, the write-ceiling probes
+    taken between the rounds (GB/s; see `interleave`)."""
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(src_root, ignore_errors=True)
     cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": src_root, "codec": src_codec},
@@ -76,12 +87,16 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[flo
         cat = e.catalog
         raw = sum(t.numel() * 4 for t in state.values())
         os.sync()
-        rates = []
+        rates, probes = [], []
         with ThreadPoolExecutor(threads) as pool:
             for attempt in range(1 + rounds):
                 if attempt:
+                    written = sum(f.stat().st_size for f in Path(root, "shared").rglob("*.data"))
                     cat.get("shared").delete(1)
                     os.sync()
+                    if interleave and src_codec == "zstd":
+                        probes.append(disk_ceilings(Path(root) / "ceiling", written)["write_gbps"])
+                        shutil.rmtree(Path(root) / "ceiling", ignore_errors=True)
                 for f in Path(src_root).rglob("*.data"):
                     evict(f)  # (read from the disk, as a fresh step is; a buffered read would find it cached)
                 t0 = time.perf_counter()
@@ -89,7 +104,10 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[flo
                              gpu=gpu, buffers=BUFFERS)
                 rates.append(raw / (time.perf_counter() - t0) / 1e9)
         stored = sum(f.stat().st_size for f in Path(root, "shared").rglob("*.data"))
-    return rates[0], statistics.median(rates[1:]), stored / raw
+    if probes:
+        print(f"    rounds (GB/s of state; each after the probe beside it): "
+              + ", ".join(f"{r:.2f} after {p:.2f}" for r, p in zip(rates[1:], probes)), flush=True)
+    return rates[0], statistics.median(rates[1:]), stored / raw, probes
 
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else background_threads()
@@ -133,7 +151,7 @@ for src in paths:
         print("   ans -> zstd: skipped (needs a GPU with nvCOMP)")
         continue
     for n in (8, 2000):
-        first, steady, ratio = run(src, n, total_mb, threads)
+        first, steady, ratio, probes = run(src, n, total_mb, threads)
         line = (f"  {src:>4} -> zstd, {n} tensors, {total_mb} MB: {first:.3f} GB/s first, {steady:.3f} GB/s again"
                 + (f" (median of {rounds})" if rounds > 1 else ""))
         if src != "zstd":  # recompressed: against the zstd rate on chunks of this state's size
@@ -143,6 +161,10 @@ for src in paths:
         else:  # kept: the bytes written against the disk's write ceiling
             line += (f" of state; it writes {ratio:.3f} B per byte of state: {steady * ratio:.3f} GB/s written, "
                      f"{100 * steady * ratio / disk['write_gbps']:.0f}% of the O_DIRECT write ceiling")
+            if probes:
+                ceiling = statistics.median(probes)
+                line += (f"; {100 * steady * ratio / ceiling:.0f}% of the median of {len(probes)} write probes "
+                         f"between the rounds ({ceiling:.3f} GB/s; {min(probes):.3f}-{max(probes):.3f})")
         print(line, flush=True)
 shutil.rmtree(root, ignore_errors=True)
 shutil.rmtree(src_root, ignore_errors=True)
