@@ -91,10 +91,11 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[flo
         with ThreadPoolExecutor(threads) as pool:
             for attempt in range(1 + rounds):
                 if attempt:
-                    written = sum(f.stat().st_size for f in Path(root, "shared").rglob("*.data"))
+                    probing = interleave and src_codec == "zstd"
+                    written = sum(f.stat().st_size for f in Path(root, "shared").rglob("*.data")) if probing else 0
                     cat.get("shared").delete(1)
                     os.sync()
-                    if interleave and src_codec == "zstd":
+                    if probing:
                         probes.append(disk_ceilings(Path(root) / "ceiling", written)["write_gbps"])
                         shutil.rmtree(Path(root) / "ceiling", ignore_errors=True)
                 for f in Path(src_root).rglob("*.data"):

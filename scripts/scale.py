@@ -69,8 +69,8 @@ from typing import Any, Callable
 
 import torch
 
-from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync, tensors_of,
-                           world)
+from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync,
+                           tensors_of, world)
 from scale_methods import METHODS, close_shared, tiered_engine
 
 GiB = 1 << 30

@@ -406,10 +406,12 @@ def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches:
                   load: Callable[[], None], probe_root: Path | None = None) -> None:
     """Zero the state, drop the page cache, time `load()` and check the state bit-exact. With
     `probe_root`, first probe the disk's read rate there, every rank at once (`disk_together`,
-    2 GiB a rank, less for a smaller state or a nearly full disk): `read_gbps_at_restore`. The ceilings taken before the saves are minutes and
-    three saves' worth of writes earlier, and these virtual disks' rates moved by up to 40% within
-    a run (GPU runs 270-271), which left a restore bound that the disk itself may no longer reach."""
-    if probe_root is not None:  # (no more than the state, nor a quarter of the disk's free space: a 60 GB state leaves ~13 GB of 64)
+    2 GiB a rank, less for a smaller state or a nearly full disk): `read_gbps_at_restore`. The
+    ceilings taken before the saves are minutes and three saves' worth of writes earlier, and
+    these virtual disks' rates moved by up to 40% within a run (GPU runs 270-271), which left a
+    restore bound that the disk itself may no longer reach."""
+    if probe_root is not None:  # (at most the state, and a quarter of the disk's free space: a 60 GB
+        # state leaves ~13 GB of 64)
         state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
         free = shutil.disk_usage(probe_root.parent).free // max(1, world())
         row.extra["read_gbps_at_restore"] = disk_together(probe_root, min(2 << 30, state_bytes, free // 4))["read_gbps"]
