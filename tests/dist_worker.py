@@ -268,6 +268,9 @@ def load_fails_on_rank_1(engine, state, step: int) -> None:
     check(state)
 
 
+LONG_NAME = "run-a, resumed with a longer name " * 40
+
+
 def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
     """Saves that reuse the last plan (tiered.dcp_reuse) save each save's values; a state that
     changes structure is planned again by DCP. Every step is restored and checked. `reserve`:
@@ -293,6 +296,7 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
         raise SystemExit(f"rank {dist.get_rank()}: the first save after reserve() serialized {len(serialized)} values")
     torch.save = real_save
     state["extra"]["epoch"] = 8
+    state["extra"]["name"] = LONG_NAME  # (a serialized value of another size: the plan is reused, its size is not)
     for t in state["tensors"].values():
         (t.to_local() if isinstance(t, DTensor) else t).add_(1)
     engine.save(step + 1, state).wait()                   # the same structure: the plan is reused
@@ -302,7 +306,8 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
     DefaultSavePlanner.create_local_plan = plan
     if len(planned) != 2:
         raise SystemExit(f"rank {dist.get_rank()}: DCP planned {len(planned)} of 4 saves, expected 2")
-    for s, epoch, plus, new in ((step, 7, 0, False), (step + 1, 8, 1, False), (step + 3, 8, 1, True)):
+    for s, epoch, run_name, plus, new in ((step, 7, "run-a", 0, False), (step + 1, 8, LONG_NAME, 1, False),
+                                          (step + 3, 8, LONG_NAME, 1, True)):
         out = build(mesh, zeros=True)
         if new:
             out["tensors"]["new"] = torch.zeros(10)
@@ -312,7 +317,8 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
             got = got.full_tensor() if isinstance(got, DTensor) else got
             if not torch.equal(got, want + plus):
                 raise SystemExit(f"rank {dist.get_rank()}: step {s}: {name} differs after load")
-        if out["extra"]["epoch"] != epoch or (new and not torch.equal(out["tensors"]["new"], torch.arange(10.0))):
+        if out["extra"] != {"epoch": epoch, "name": run_name} or (
+                new and not torch.equal(out["tensors"]["new"], torch.arange(10.0))):
             raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
 
 

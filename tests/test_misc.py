@@ -189,6 +189,31 @@ def test_the_plan_cache_keeps_a_plan_while_paths_dtypes_shapes_and_devices_stay(
         first = back
 
 
+def test_the_plan_cache_keys_a_flat_state_on_its_structure_where_it_has_one():
+    """A flat state that carries a structure (a reused DCP plan's token with its serialized
+    items' sizes) is planned once per structure: the leaves are not compared one by one, and a
+    structure that differs (another token, or a serialized item of another size) plans anew."""
+    from tiered.plan import PlanCache
+
+    cache, names, token = PlanCache(), tree.FlatNames(["w", "b", "obj"]), object()
+
+    def plan(n_obj, structure):
+        flat = names.flatten([torch.ones(4, 3), torch.ones(3), torch.zeros(n_obj, dtype=torch.uint8)], structure)
+        assert flat.structure is structure
+        return cache.plan(flat.leaves, "zstd", 1 << 20, False, flat.structure)
+
+    first = plan(5, (token, (5,)))
+    again = plan(5, (token, (5,)))
+    assert again.cpu is first.cpu, "the same structure: the plan is reused"
+    longer = plan(9, (token, (9,)))
+    assert longer.cpu is not first.cpu and longer.raw_bytes == first.raw_bytes + 4, "a serialized item grew"
+    other = plan(9, (object(), (9,)))
+    assert other.cpu is not longer.cpu and other.cpu == longer.cpu, "another token: planned anew"
+    unmarked = plan(9, None)
+    assert unmarked.cpu is not other.cpu and unmarked.cpu == other.cpu, "no structure: the leaves' key"
+    assert plan(9, None).cpu is unmarked.cpu
+
+
 class _MyParameter(torch.nn.Parameter):
     pass
 

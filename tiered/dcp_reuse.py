@@ -42,6 +42,10 @@ class PlanReuse:
         self._sources: list[tuple[int, int]] = []
         self._serialized: dict[int, tuple[bytes, bytes]] = {}
         """Per leaf serialized for a BYTE_IO item: (its pickle, its torch.save bytes) last time."""
+        self.token: object | None = None
+        """One object per kept plan: every save that reuses it resolves tensor items of the same
+        dtypes, shapes and devices, in the same order (the signature says so), so the save
+        pipeline's plan cache compares this instead of each item (`tree.Flat.structure`)."""
 
     @staticmethod
     def walk(state: Any) -> tuple[list, list]:
@@ -107,7 +111,7 @@ class PlanReuse:
         """Keep a save DCP planned, for the next ones to reuse where each of its items can be
         found again by its path (`paths`: each leaf's; otherwise nothing is kept, and DCP plans
         the next save too)."""
-        self._sig = None
+        self._sig, self.token = None, None
         mappings = getattr(planner, "mappings", None)
         if not isinstance(mappings, dict) or _OWN_WAY in sig or len(paths) != len(leaves):
             return
@@ -128,6 +132,7 @@ class PlanReuse:
                 return
         self._sig, self._plan, self._metadata, self._sources = sig, plan, metadata, sources
         self._serialized = {}
+        self.token = object()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

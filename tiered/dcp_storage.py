@@ -154,24 +154,29 @@ class StepWriter(StorageWriter):
         handle.persisted.add_done_callback(done)
         return fut
 
-    def stage_items(self, plan: SavePlan, resolve: Callable[[int, WriteItem], Any]) -> Any:
+    def stage_items(self, plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None) -> Any:
         """Hand this rank's items to the save pipeline; return its SaveHandle (None: nothing to
         write). `resolve(i, item)` gives item i's data (a planner's `resolve_data`, or a reused
-        plan's: tiered.dcp_reuse)."""
+        plan's: tiered.dcp_reuse, whose `token` is `structure`)."""
         if not plan.items:
             return None
-        return self.saves.save(self.step, self.items(plan, resolve), rank_only=True)
+        return self.saves.save(self.step, self.items(plan, resolve, structure), rank_only=True)
 
     @staticmethod
-    def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any]) -> tree.Flat:
+    def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None) -> tree.Flat:
         """This rank's items as the flat state of tensors the save pipeline stages (objects
         serialized into uint8 tensors, projections made contiguous), already flattened: the
-        state {item name: tensor}, without a walk of it per save."""
+        state {item name: tensor}, without a walk of it per save. `structure`: a reused plan's
+        token (`PlanReuse.token`), which stands for its tensor items' dtypes, shapes and devices;
+        with the serialized items' sizes it is the flat state's `structure`."""
         tensors: list[torch.Tensor] = []
+        sizes: list[int] = []
         for i, item in enumerate(plan.items):
             data = resolve(i, item)
             if item.type == WriteItemType.BYTE_IO:
-                data = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if data.getbuffer().nbytes \
+                n = data.getbuffer().nbytes
+                sizes.append(n)
+                data = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if n \
                     else torch.empty(0, dtype=torch.uint8)
             elif not isinstance(data, torch.Tensor):
                 raise TypeError(f"{item_name(item.index)}: the planner resolved a {type(data).__name__}, not a tensor")
@@ -181,7 +186,7 @@ class StepWriter(StorageWriter):
                 if not data.is_contiguous():  # a projection of a larger tensor: store just that
                     data = data.contiguous()
             tensors.append(data)
-        return _flat_names(plan).flatten(tensors)
+        return _flat_names(plan).flatten(tensors, None if structure is None else (structure, tuple(sizes)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write the DCP metadata and commit the step on this node's fast tier;

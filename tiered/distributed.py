@@ -82,11 +82,11 @@ class DistributedSaver:
         writer = StepWriter(self.saves, step)
         writer.set_up_storage_writer(coordinator, rank=self.rank)
         parts: dict[str, float] = {}
-        final, metadata, resolve = self._plan(state_dict, writer, parts)
+        final, metadata, resolve, structure = self._plan(state_dict, writer, parts)
         t1 = time.perf_counter()
         save_id = f"{final.storage_data}/{step}"  # a reused plan carries the id of the save that made it
         try:
-            rank_handle = writer.stage_items(final, resolve)
+            rank_handle = writer.stage_items(final, resolve, structure)
         except BaseException as exc:
             # The other ranks go on; tell the coordinator at once rather than let it wait.
             store().set(_rank_key(save_id, self.rank), json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
@@ -109,9 +109,10 @@ class DistributedSaver:
         return handle
 
     def _plan(self, state_dict: Any, writer: StepWriter,
-              timings: dict[str, float] | None = None) -> tuple[Any, Any, Any]:
+              timings: dict[str, float] | None = None) -> tuple[Any, Any, Any, Any]:
         """(this rank's final DCP plan, the metadata (the coordinator's), a resolver of its items'
-        data) for a save of `state_dict` through `writer`. Every save of a training run has the
+        data, and the plan's structure token where it is a kept one (`PlanReuse.token`; else
+        None)) for a save of `state_dict` through `writer`. Every save of a training run has the
         same structure: when no rank's state changed structure (tiered.dcp_reuse; one all-reduce
         of a flag tells), the last plan is reused, without DCP planning, gathering and
         scattering it again. `timings` gets the walk's and the all-reduce's milliseconds."""
@@ -126,7 +127,7 @@ class DistributedSaver:
             final, metadata = self._reuse.plan()
             if coordinator:
                 metadata = dataclasses.replace(metadata, storage_meta=writer.storage_meta())
-            return final, metadata, self._reuse.resolver(leaves)
+            return final, metadata, self._reuse.resolver(leaves), self._reuse.token
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
         local = planner.create_local_plan()
@@ -142,8 +143,8 @@ class DistributedSaver:
         final = planner.finish_plan(out[0])
         self._reuse.remember(sig, leaves, self._reuse.paths(state_dict), planner, final, metadata)
         if self._reuse.matches(sig):  # (kept: its resolver serializes values as the planner does, and keeps
-            return final, metadata, self._reuse.resolver(leaves)  # them, so `reserve` makes the first save's)
-        return final, metadata, lambda i, item: planner.resolve_data(item)
+            return final, metadata, self._reuse.resolver(leaves), self._reuse.token  # them, so `reserve`
+        return final, metadata, lambda i, item: planner.resolve_data(item), None  # makes the first save's)
 
     def reserve(self, state_dict: Any) -> int:
         """`Engine.reserve` on every rank (collective, as a save is): plan saves of `state_dict`
@@ -153,8 +154,8 @@ class DistributedSaver:
         (SavePipeline.reserve). Returns that part's bytes."""
         writer = StepWriter(self.saves, 0)  # (the step is a placeholder: a reused plan takes each save's)
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
-        final, _, resolve = self._plan(state_dict, writer)
-        return self.saves.reserve(writer.items(final, resolve), rank_only=True)
+        final, _, resolve, structure = self._plan(state_dict, writer)
+        return self.saves.reserve(writer.items(final, resolve, structure), rank_only=True)
 
     def _all(self, flag: bool) -> bool:
         """`flag` holds on every rank (an all-reduce of one int on the CPU, `cpu_group`)."""

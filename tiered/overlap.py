@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -56,12 +56,20 @@ class Guarded:
         """(Holding them keeps each id below that object's while this lives.)"""
         self._state = state
         self._ids = set(map(id, self._held))
-        self._keys = {storage_key(p) for p in params}
-        self._keys.update([storage_key(t) for t in state if type(t) not in PLAIN_TENSORS])
+        plain = PLAIN_TENSORS  # (storage_key inlined for plain tensors: a save asks it of every parameter)
+        self._keys = {(p.get_device(), p.data_ptr()) if type(p) in plain else storage_key(p) for p in params}
+        self._keys.update([storage_key(t) for t in state if type(t) not in plain])
         self._state_keys: set[tuple[int, int]] | None = None
 
     def __contains__(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids or storage_key(t) in self._keys
+
+    def unguarded(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The positions of the tensors that are not `in` this: as `in` asks it of each, in one
+        pass (a save asks it of every tensor of its state)."""
+        ids, keys, plain = self._ids, self._keys, PLAIN_TENSORS
+        return [i for i, t in enumerate(tensors) if id(t) not in ids
+                and ((t.get_device(), t.data_ptr()) if type(t) in plain else storage_key(t)) not in keys]
 
     def by_memory(self, t: torch.Tensor) -> bool:
         """`t` starts at the first byte of a parameter's or of optimizer state's memory, whatever
@@ -79,7 +87,7 @@ def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SaveP
     """(the plan with its unguarded tensors replaced by clones, "") or (None, why not) when
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
     tensors: list[torch.Tensor] = list(plan.tensors)
-    unguarded = [i for i, t in enumerate(tensors) if t not in guarded]
+    unguarded = guarded.unguarded(tensors)
     over = _over_limit(tensors, unguarded, free_gpu)
     if over:  # before staging strictly: aliases of guarded memory that are other objects are guarded too
         unguarded = [i for i in unguarded if not guarded.by_memory(tensors[i])]

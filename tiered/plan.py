@@ -147,10 +147,16 @@ class PlanCache:
         self._key: Any = None
         self._plan: SavePlan | None = None
 
-    def plan(self, leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: bool) -> SavePlan:
-        # (on the training thread, per tensor: a list of plain tuples, compared in C)
-        key = [(path, t.dtype, t.shape, t.device, is_numpy) for path, t, is_numpy in leaves]
-        key.append((tier_codec, chunk_size, gpu_codecs))
+    def plan(self, leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: bool,
+             structure: Any = None) -> SavePlan:
+        """`structure`: the leaves' `tree.Flat.structure`, where known; it stands for the key of
+        each leaf's path, dtype, shape and device (a distributed save's: its reused DCP plan
+        compared them on its own walk of the state already)."""
+        if structure is not None:
+            key: Any = (structure, tier_codec, chunk_size, gpu_codecs)
+        else:  # (on the training thread, per tensor: a list of plain tuples, compared in C)
+            key = [(path, t.dtype, t.shape, t.device, is_numpy) for path, t, is_numpy in leaves]
+            key.append((tier_codec, chunk_size, gpu_codecs))
         if self._plan is None or key != self._key:
             plan = make_plan(leaves, tier_codec, chunk_size, gpu_codecs)
             self._plan, self._key = replace(plan, tensors=()), key  # (no tensors kept)

@@ -190,11 +190,12 @@ class SavePipeline:
         the first save of its structure reuses the plan and the layout and loads no kernel.
         Returns its tensors' bytes."""
         leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
+        structure = state_dict.structure if type(state_dict) is tree.Flat else None
         tensors = [leaf.tensor for leaf in leaves]
         self.workers.prepare(tensors)
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
             self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
-        made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
+        made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
         copied, rest = self._cpu_copies.split(made.cpu)
@@ -306,7 +307,8 @@ class SavePipeline:
             tier = self._begin(step, leaves)
         t2 = time.perf_counter()
         if tier is self.tier:
-            plan = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready)
+            plan = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready,
+                                    state_dict.structure if type(state_dict) is tree.Flat else None)
         else:  # through host memory, in a codec every machine decodes (the slower tiers are portable)
             codec = self.config.tiers[1].codec
             plan = make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,

@@ -120,12 +120,16 @@ _kept = _Kept()
 
 
 class Flat:
-    """A state already flattened (`FlatNames.flatten`); `flatten` returns its skeleton and leaves."""
+    """A state already flattened (`FlatNames.flatten`); `flatten` returns its skeleton and leaves.
 
-    __slots__ = ("skeleton", "leaves")
+    `structure`, where the maker knows it: a value that equals another Flat's only where both
+    have leaves of the same paths, dtypes, shapes and devices, in the same order (a reused
+    DCP plan's: tiered.dcp_reuse). The plan cache compares it instead of every leaf."""
 
-    def __init__(self, skeleton: Any, leaves: list[Leaf]):
-        self.skeleton, self.leaves = skeleton, leaves
+    __slots__ = ("skeleton", "leaves", "structure")
+
+    def __init__(self, skeleton: Any, leaves: list[Leaf], structure: Any = None):
+        self.skeleton, self.leaves, self.structure = skeleton, leaves, structure
 
 
 class FlatNames:
@@ -139,8 +143,9 @@ class FlatNames:
         self.paths = [(name,) for name in names]
         self.skeleton = {"$dict": tuple((name, _kept.ref(i)) for i, name in enumerate(names))}
 
-    def flatten(self, tensors: list[torch.Tensor]) -> Flat:
-        """The state of these names and `tensors`, each taken as it is (detached by the caller)."""
+    def flatten(self, tensors: list[torch.Tensor], structure: Any = None) -> Flat:
+        """The state of these names and `tensors`, each taken as it is (detached by the caller);
+        `structure`: see `Flat`."""
         if len(tensors) != len(self.paths):
             raise ValueError(f"{len(tensors)} tensors for {len(self.paths)} names")
         strided = torch.strided
@@ -149,7 +154,8 @@ class FlatNames:
                 raise StateDictError(f"{path_str(path)}: an item of type {type(t).__name__}, not a plain tensor")
             if t.layout is not strided:
                 raise StateDictError(f"{path_str(path)}: {t.layout} tensors are not supported")
-        return Flat(self.skeleton, [_new_leaf(Leaf, (path, t, False)) for path, t in zip(self.paths, tensors)])
+        return Flat(self.skeleton, [_new_leaf(Leaf, (path, t, False)) for path, t in zip(self.paths, tensors)],
+                    structure)
 
 
 def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
