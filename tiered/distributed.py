@@ -142,9 +142,11 @@ class DistributedSaver:
         dist.scatter_object_list(out, scattered, src=0, group=self._group)
         final = planner.finish_plan(out[0])
         self._reuse.remember(sig, leaves, self._reuse.paths(state_dict), planner, final, metadata)
-        if self._reuse.matches(sig):  # (kept: its resolver serializes values as the planner does, and keeps
-            return final, metadata, self._reuse.resolver(leaves), self._reuse.token  # them, so `reserve`
-        return final, metadata, lambda i, item: planner.resolve_data(item), None  # makes the first save's)
+        # Kept: its resolver serializes values as the planner does, and keeps them, so `reserve` makes
+        # the first save's.
+        if self._reuse.matches(sig):
+            return final, metadata, self._reuse.resolver(leaves), self._reuse.token
+        return final, metadata, lambda i, item: planner.resolve_data(item), None
 
     def reserve(self, state_dict: Any) -> int:
         """`Engine.reserve` on every rank (collective, as a save is): plan saves of `state_dict`
