@@ -19,7 +19,7 @@ after this rank's index, because the step is committed once every rank's files a
          as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
       -> each chunk placed at the next aligned offset; runs of rows written as one extent
          (from the GPU, or drained through pinned host memory where the state outgrows the slab)
-      -> data file closed (fsync)                             `_write_rank`
+      -> data file closed (fsync)                             tiered.save_write
       -> the rank's index written (fsync'd temporary + rename)
       -> the manifest committed, last                          `_write` (not with rank_only)
       -> hooks told (the migrator queues the step)             `notify_committed`
@@ -31,7 +31,6 @@ written, and its files are discarded.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import logging
 import queue
@@ -39,73 +38,27 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered import checksum, cpu, host_copy, threads, tree
+from tiered import cpu, host_copy, threads, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
-from tiered.format import (ALIGNMENT, ChunkTable, Manifest, RankEntry, data_file_name, dtype_name, index_file_name,
-                           index_json)
-from tiered.gpu_write import RowsWriter
+from tiered.format import ALIGNMENT, Manifest
 from tiered.handle import RankFiles, SaveHandle
 from tiered.overlap import Guard, Guarded, overlap_plan
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
 from tiered.runtime import Workers
-from tiered.units import format_size, round_up
+from tiered.save_write import END, Abort, Job, drain, write_rank
+from tiered.units import format_size
 from tiered.version import __version__
 from tiered.watch import Watch
 
 log = logging.getLogger("tiered")
-_END = object()
-JOINED_WRITE_BYTES = 16 << 20
-"""The CPU-encoded chunks of a wave are joined into writes of up to this many bytes."""
-
-
-class _Abort:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-@dataclass
-class _Job:
-    step: int
-    skeleton: Any
-    plan: SavePlan
-    handle: SaveHandle
-    device_io: bool
-    segments: "queue.Queue[Any]" = field(default_factory=queue.Queue)
-    staging_over: bool = False
-    """The writer has taken the last segment (the end marker or an abort)."""
-    aborted: bool = False
-    """save() failed while staging and raised that error itself."""
-    go: threading.Event = field(default_factory=threading.Event)
-    """Set when save() has staged everything, or must wait for the writer to free memory.
-    Until then the writer leaves the job alone, so it does not contend with save() for the GIL."""
-    started: float = field(default_factory=time.perf_counter)
-    tier: Any = None
-    """Where the step is written: the fast tier, or the next one where the fast tier could not take it."""
-    rank_only: bool = False
-    """Write this rank's files only; the step is committed by the distributed save (tiered.dcp)."""
-    after: dict[int, Any] | None = None
-    """Overlapped saves: per GPU, the event the training stream recorded in save(); the stager
-    thread stages after it."""
-    reads: list[tuple[int, Any]] = field(default_factory=list)
-    """Per GPU, the event after which the state may change (set once staged)."""
-    enqueued: threading.Event = field(default_factory=threading.Event)
-    """The stager thread has issued (or given up) all of this save's reads."""
-
-    def drop_tensors(self) -> None:
-        """Forget the saved tensors once the GPU has read them (or the save has failed): the engine
-        must not keep a state alive that the caller has let go, nor let it go while still reading."""
-        self.plan = dataclasses.replace(self.plan, tensors=())
-
-
 class SavePipeline:
     """The save side of one Engine: staging in the caller's thread, one writer thread behind it.
 
@@ -124,7 +77,7 @@ class SavePipeline:
         written in place (tiered.host_copy), not encoded chunk by chunk (tiered.cpu)."""
         self.closed = False
         self._plans = PlanCache()
-        self._jobs: "queue.Queue[_Job | None]" = queue.Queue()
+        self._jobs: "queue.Queue[Job | None]" = queue.Queue()
         self._inflight: dict[int, SaveHandle] = {}
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -135,11 +88,11 @@ class SavePipeline:
         """Threads committing dcp.save's steps on this node's tier once rank 0 has (tiered.dcp_storage)."""
         self._guards: list[Any] = []
         """Optimizers whose step waits for overlapped saves (`guard`)."""
-        self._unordered: list[_Job] = []
+        self._unordered: list[Job] = []
         """Overlapped saves that no guarded optimizer step has waited for yet."""
         self._logged_strict = False
         self._stager: threading.Thread | None = None
-        self._stage_queue: "queue.Queue[_Job | None]" = queue.Queue()
+        self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
         self.progress = 0
         """Waves of chunks placed in a data file so far (it moves while saves make progress)."""
@@ -320,7 +273,7 @@ class SavePipeline:
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
         overlapped = self._overlapped(plan) if self._guards else None
-        job = _Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
+        job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
         with self._lock:
             self._inflight[step] = handle
@@ -349,7 +302,7 @@ class SavePipeline:
                         "save it separately", why)
         return got
 
-    def _stage(self, job: _Job, strict: bool = False) -> None:
+    def _stage(self, job: Job, strict: bool = False) -> None:
         """Stage the job's tensors (the caller's thread, or the stager's once an optimizer is
         guarded), then hand the writer the end of its segments. A failure is handed to the writer
         too; `strict`: the caller raises it, so the writer does not record it again."""
@@ -372,10 +325,10 @@ class SavePipeline:
             handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
         except BaseException as exc:
             job.aborted = strict
-            job.segments.put(_Abort(exc))
+            job.segments.put(Abort(exc))
             job.go.set()
             raise
-        job.segments.put(_END)
+        job.segments.put(END)
         job.go.set()
         if events:  # the GPU reads the tensors until these events: hold them until then
             threads.start(_complete_after, events, handle.staged, job.drop_tensors, name="tiered-staged")
@@ -413,6 +366,9 @@ class SavePipeline:
             self._adopting.pop().join()
         self.codec.join()
 
+    def _placed(self) -> None:
+        self.progress += 1
+
     def _steps_in_flight(self) -> list[int]:
         with self._lock:
             return sorted(self._inflight)
@@ -432,11 +388,11 @@ class SavePipeline:
             self._run_job(job)
             del job
 
-    def _run_job(self, job: _Job) -> None:
+    def _run_job(self, job: Job) -> None:
         try:
             manifest = self._write(job)
         except BaseException as exc:  # noqa: BLE001 - surfaced on the next save()/wait()
-            _drain(job)
+            drain(job)
             for _, ev in job.reads:  # the GPU may still read what was staged: wait before letting it go
                 ev.synchronize()
             job.drop_tensors()
@@ -459,9 +415,9 @@ class SavePipeline:
             self._inflight.pop(job.step, None)
         job.handle.persisted.set_result(manifest)
 
-    def _write(self, job: _Job) -> "Manifest | RankFiles":
+    def _write(self, job: Job) -> "Manifest | RankFiles":
         """Write the job's rank files; then, unless it is rank_only, commit the step."""
-        files = self._write_rank(job)
+        files = write_rank(job, self.rank, self.config, self.workers, self._placed)
         if job.rank_only:
             return files
         manifest = Manifest(
@@ -476,88 +432,6 @@ class SavePipeline:
                  format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
                  1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.io)
         return manifest
-
-    def _write_rank(self, job: _Job) -> "RankFiles":
-        job.go.wait()
-        data_name = data_file_name(self.rank)
-        writer = job.tier.open_data_writer(job.step, data_name, device=job.device_io)
-        # Each tensor's chunks as packed rows (one byte string, not an object per chunk or per
-        # tensor, while the file is written: see ChunkTable).
-        chunks: dict[int, bytearray] = {p.index: bytearray() for p in job.plan.all}
-        row = ChunkTable.ROW.pack
-        order: list[int] = []
-        end = 0
-
-        def place(refs: Sequence[Any], sizes: Sequence[int], sums: Sequence[int]) -> int:
-            """Place chunks `refs` (stored sizes, checksums) end to end at the next aligned offsets
-            of the data file and record them; the first one's offset."""
-            nonlocal end
-            first = end
-            self.progress += 1
-            for ref, size, crc in zip(refs, sizes, sums):
-                placed = chunks[ref.plan.index]
-                if not placed:
-                    order.append(ref.plan.index)
-                placed += row(end, size, ref.raw_size, crc)
-                end += round_up(size, ALIGNMENT)
-            return first
-
-        rows = RowsWriter(writer, place, job.handle.timings)
-        try:
-            while True:
-                seg = rows.take(job.segments)
-                if seg is _END or isinstance(seg, _Abort):
-                    job.staging_over = True
-                    if isinstance(seg, _Abort):
-                        raise TieredError(f"staging failed: {seg.exc!r}")
-                    rows.flush()
-                    break
-                if isinstance(seg, cpu.RawSegment):
-                    rows.flush()
-                    try:
-                        encoded = cpu.encode_segment(seg, self.workers.pool, self.config.zstd)
-                    finally:
-                        seg.release()
-                    offset = place(seg.chunks, [e[1] for e in encoded], [e[2] for e in encoded])
-                    for at, extents in cpu.joined_extents([e[0] for e in encoded], JOINED_WRITE_BYTES):
-                        writer.write_host(offset + at, extents)
-                elif isinstance(seg, host_copy.HostSegment):
-                    rows.flush()
-                    host_copy.write_segment(seg, writer, place, self.workers.checksums, job.handle.timings)
-                else:
-                    rows.add(seg)
-            data_bytes = writer.close()
-        except BaseException:
-            rows.abort()
-            writer.abort()
-            raise
-        plans = {p.index: p for p in job.plan.all}
-        ordered = [i for i in plans if not chunks[i]] + order
-        # (the index is made from the plans and packed rows directly: `index_json`)
-        raw_index = index_json(rank=self.rank, data_file=data_name, data_bytes=data_bytes,
-                               chunk_size=self.config.chunk_size, skeleton=job.skeleton, io=writer.io_mode,
-                               tensors=((i, p.name, dtype_name(p.dtype), p.shape, p.device, p.is_numpy, p.spec,
-                                         ChunkTable.packed_json(chunks[i])) for i in ordered for p in (plans[i],)))
-        stored = {i: ChunkTable.packed_stored_bytes(raw) for i, raw in chunks.items()}
-        index_name = index_file_name(self.rank)
-        job.tier.write_file(job.step, index_name, raw_index)
-        return RankFiles(entry=RankEntry(self.rank, index_name, len(raw_index), checksum.wsum64(raw_index), data_name,
-                                         data_bytes),
-                         io=writer.io_mode, codecs=sorted({p.spec.name for p in plans.values()}),
-                         tensor_stored=stored, raw_bytes=job.handle.raw_bytes, stored_bytes=sum(stored.values()))
-
-
-
-def _drain(job: _Job) -> None:
-    """After a failure: release every staged segment still coming, so save() never deadlocks."""
-    job.go.wait()
-    while not job.staging_over:
-        seg = job.segments.get()
-        if seg is _END or isinstance(seg, _Abort):
-            job.staging_over = True
-        else:
-            seg.release()
-
 
 def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
     """Resolve `fut` unless already resolved (save() and the writer race to settle `staged`)."""
