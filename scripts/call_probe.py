@@ -3,12 +3,15 @@
 of real modules and a real AdamW: ten replicas of a 16-block GPT (259 parameters each, with
 their optimizer state: 10,360 tensors), tiny tensors, so only the per-tensor work counts.
 
-    python scripts/call_probe.py [--device cuda|cpu] [--iterations 40]
+    python scripts/call_probe.py [--device cuda|cpu] [--iterations 40] [--engine DIR]
 
 Prints the medians (after 5 warm-up iterations, collector paused, as in a save) of: the walk of
 the state (`tree.flatten`), the cached plan's key and reuse (`PlanCache.plan`), the storages the
 optimizers guard (`overlap.Guarded`) and the search for the rest (`overlap.overlap_plan`).
-To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
+With `--engine DIR`, it times whole guarded `Engine.save` calls instead (a local tier under DIR,
+codec none), alternating blocks of saves whose call walks the state (`guard(defer_walk=False)`)
+and saves whose stager thread does (the default), with the optimizer step after each save that
+waits for it; it prints the median call of each. To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
 (`taskset -c 3`): the host's speed moves from one process to the next (docs/benchmarks.md,
 session 14).
 """
@@ -60,9 +63,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--engine", default=None, metavar="DIR", help="time guarded Engine.save calls (tier under DIR)")
     args = p.parse_args()
     reps = replicas(args.device)
     opts = [o for _, o in reps]
+    if args.engine:
+        return engine_calls(reps, args.engine, args.iterations)
 
     def state() -> dict:  # new dicts every save, as model.state_dict() and optimizer.state_dict() make
         return {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(reps)}
@@ -93,6 +99,36 @@ def main() -> None:
     print(f"{where}: {len(leaves)} tensors on {args.device}: "
           + ", ".join(f"{k} {statistics.median(v[5:]):.2f}" for k, v in times.items())
           + f" ms (medians of {len(times['sum'][5:])})", flush=True)
+
+
+def engine_calls(reps: list, root: str, iterations: int) -> None:
+    """Guarded saves of the replicas' state, blocks of five walking in the call and five not."""
+    cfg = {"tiers": [{"name": "local", "kind": "local", "path": root, "codec": "none"}]}
+    calls: dict[bool, list[float]] = {False: [], True: []}
+    step = 0
+    with tiered.Engine.from_config(cfg) as engine:
+        for block in range(2 * max(1, iterations // 10)):
+            defer = bool(block % 2)
+            guards = [engine.guard(o, defer_walk=defer) for _, o in reps]
+            state = {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(reps)}
+            engine.reserve(state)
+            for n in range(5):
+                step += 1
+                state = {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(reps)}
+                t0 = time.perf_counter()
+                engine.save(step, state)
+                t1 = time.perf_counter()
+                for o in (o for _, o in reps):
+                    o.step()  # (waits for the save's walk and reads)
+                engine.wait()
+                engine.catalog.fast.delete(step)
+                if n:  # (the first of a block: after the guards changed)
+                    calls[defer].append(1e3 * (t1 - t0))
+            for g in guards:
+                g.remove()
+    n = len(tree.flatten(state, share=True)[1])
+    print(f"{n} tensors, guarded Engine.save call: walk in the call {statistics.median(calls[False]):.2f} ms, "
+          f"deferred walk {statistics.median(calls[True]):.2f} ms (medians of {len(calls[True])} each)", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ free. Side by side, one method after another on the same state and disk:
                for before the first save and reported (`pin_s`)
   tiered_overlap  the same engine with `engine.guard(optimizer)` for every optimizer: save()
                returns at once, the state is read beside the next forward and backward, and
-               the optimizer step waits for it
+               the optimizer step waits for it; from the first save on (the engine is reserved
+               again once guarded) save() walks nothing: the stager thread walks the state
+  tiered_overlap_walk  the same with `guard(optimizer, defer_walk=False)`: each save() walks its
+               state in its call (the engine before session 32), for an A/B on one machine
   dcp_pinned   DCP async_save, one FileSystemWriter(cache_staged_state_dict=True) reused
                (TorchTitan's pinned-memory mode; the copy to host happens inside the call)
   dcp_stager   DCP async_save with DefaultStager(StagingOptions(use_async_staging=True)):

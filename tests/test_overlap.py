@@ -248,3 +248,154 @@ def test_guard_covers_dtensor_parameters_and_state_by_their_local_shards(tmp_pat
         assert state["exp_avg_sq"].to_local().clone() not in guarded
     finally:
         dist.destroy_process_group()
+
+
+class _HeldWalk:
+    """`tree.flatten` as the engine calls it, noting the thread of each call; a walk on another
+    thread than the test's waits until `release()` (so the test can change the state first)."""
+
+    def __init__(self, monkeypatch):
+        from tiered import save as save_module
+
+        self.threads: list[str] = []
+        self.go = threading.Event()
+        real = save_module.tree.flatten
+
+        def flatten(state, **kw):
+            self.threads.append(threading.current_thread().name)
+            if threading.current_thread() is not threading.main_thread():
+                assert self.go.wait(30), "the test never let the stager's walk go"
+            return real(state, **kw)
+
+        monkeypatch.setattr(save_module.tree, "flatten", flatten)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def test_a_guarded_save_after_the_first_is_walked_by_the_stager_not_its_call(tier_config, device, monkeypatch):
+    """Once a guarded save has learned the state's structure, the next save's call walks nothing:
+    it returns before the state is walked, the stager thread walks and plans it, and the step
+    holds the state as it was at the call (the optimizer step waits for the walk too)."""
+    model, opt = trained_model(device, steps=1)
+    walks = _HeldWalk(monkeypatch)
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)
+        walks.release()
+        engine.save(1, _state(model, opt)).wait()
+        assert walks.threads == ["MainThread"], "the first save learns the structure in its call"
+        walks.go.clear()
+        state = _state(model, opt)
+        want = _copy(state)
+        handle = engine.save(2, state)
+        assert walks.threads == ["MainThread"], "the second save's call walked nothing"
+        assert "call_ms" in handle.timings and not handle.staged.done()
+        threading.Timer(0.2, walks.release).start()
+        _step(model, opt, device)  # waits until the stager has walked and read the state
+        assert walks.threads == ["MainThread", "tiered-stager"]
+        handle.wait()
+        assert {"stager_plan_ms", "flatten_ms", "staged_ms"} <= set(handle.timings)
+        assert _equal(engine.load(2, device=device), want)
+
+
+def test_a_deferred_save_clones_in_its_call_what_the_last_save_found_unguarded(tier_config, device, monkeypatch):
+    """A buffer no optimizer updates (an EMA copy, BatchNorm statistics) and that the last save
+    held is cloned in the call of the next, though the stager walks the state later: a change
+    right after save() returns is not saved."""
+    model, opt = trained_model(device, steps=1)
+    ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    walks = _HeldWalk(monkeypatch)
+    walks.release()
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)
+        engine.save(1, {"model": model.state_dict(), "ema": ema}).wait()
+        walks.go.clear()
+        state = {"model": model.state_dict(), "ema": ema}
+        want = _copy(state)
+        engine.save(2, state)
+        for v in ema.values():  # before the stager has walked the state
+            v.add_(1.0)
+        walks.release()
+        engine.wait()
+        assert walks.threads[-1] == "tiered-stager"
+        assert _equal(engine.load(2, device=device), want)
+
+
+def test_a_tensor_new_to_a_deferred_save_is_copied_by_the_stager_and_logged(tier_config, device, monkeypatch,
+                                                                             caplog):
+    """A tensor the last save did not have, that no optimizer updates, is copied when the stager
+    walks the state (said once in the log); from the next save on it is cloned in the call."""
+    model, opt = trained_model(device, steps=1)
+    extra = torch.arange(1000, dtype=torch.float32, device=device)
+    walks = _HeldWalk(monkeypatch)
+    walks.release()
+    with tiered.Engine.from_config(tier_config()) as engine, caplog.at_level(logging.INFO, "tiered"):
+        engine.guard(opt)
+        engine.save(1, {"model": model.state_dict()}).wait()
+        state = {"model": model.state_dict(), "extra": {"counts": extra}}
+        want2 = _copy(state)
+        engine.save(2, state).wait()
+        assert "1 tensors that no guarded optimizer updates lie where the last save had none (the first: " \
+            "extra.counts" in caplog.text
+        walks.go.clear()
+        state = {"model": model.state_dict(), "extra": {"counts": extra}}
+        want3 = _copy(state)
+        engine.save(3, state)
+        extra.mul_(-1)  # before the stager has walked step 3: its clone was made in the call
+        walks.release()
+        engine.wait()
+        assert _equal(engine.load(2, device=device), want2) and _equal(engine.load(3, device=device), want3)
+    assert caplog.text.count("lie where the last save had none") == 1
+
+
+def test_a_deferred_save_of_a_state_that_cannot_be_stored_fails_at_the_next_call(tier_config):
+    """The stager finds what the call did not look at: the save fails in the background, naming
+    what is wrong, nothing of the step is left behind, and later saves go on."""
+    model, opt = trained_model("cpu", steps=1)
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)
+        engine.save(1, _state(model, opt)).wait()
+        engine.save(2, {**_state(model, opt), "bad": object()})
+        with pytest.raises(tiered.BackgroundSaveError, match=r"save\(step=2\).*StateDictError: bad: cannot checkpoint an object of type"):
+            engine.wait()
+        assert engine.steps() == [1] and not (engine.tier.step_dir(2)).exists()
+        engine.save(3, _state(model, opt)).wait()
+        assert engine.steps() == [1, 3]
+        with pytest.raises(tiered.TieredError, match="already committed|committed"):
+            engine.save(3, _state(model, opt))
+
+
+def test_reserve_after_guard_lets_the_first_save_skip_its_walk_and_a_new_guard_walks_again(tier_config,
+                                                                                          monkeypatch):
+    model, opt = trained_model("cpu", steps=1)
+    walks = _HeldWalk(monkeypatch)
+    walks.release()
+    with tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)
+        engine.reserve(_state(model, opt))
+        engine.save(1, _state(model, opt)).wait()
+        assert walks.threads == ["MainThread", "tiered-stager"], "reserve() walked it; the save's call did not"
+        other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        engine.guard(other)  # another optimizer: what is guarded changed, so the next call walks again
+        engine.save(2, _state(model, opt)).wait()
+        assert walks.threads[-1] == "MainThread"
+
+
+def test_a_guard_that_keeps_the_walk_in_the_call(tier_config, monkeypatch):
+    """`guard(optimizer, defer_walk=False)`: every save's call walks its state (its values are
+    read then), as long as that guard stands; once it gives way to one that defers, saves go on
+    from what the last walk learned."""
+    model, opt = trained_model("cpu", steps=1)
+    walks = _HeldWalk(monkeypatch)
+    walks.release()
+    with tiered.Engine.from_config(tier_config()) as engine:
+        guard = engine.guard(opt, defer_walk=False)
+        engine.reserve(_state(model, opt))
+        for step in (1, 2, 3):
+            engine.save(step, _state(model, opt)).wait()
+        assert walks.threads == ["MainThread"] * 4
+        guard.remove()
+        engine.guard(opt)
+        for step in (4, 5):
+            engine.save(step, _state(model, opt)).wait()
+        assert walks.threads[4:] == ["tiered-stager", "tiered-stager"]

@@ -147,39 +147,39 @@ class Engine:
 
         GPU tensors: the current CUDA stream is made to wait until compression has read them, so
         later work on that stream (the training loop's) cannot change what is saved. Work on
-        other streams must wait for ``handle.staged`` first. CPU tensors are copied before return.
-        Raises the failure of an earlier save's background work, if any, before starting.
-        After `guard(optimizer)`, it returns before the state has been read instead (see there).
-        `local`: this rank alone saves its whole state, also under torch.distributed (a trainer
-        that saves replicated state from rank 0 only, as Lightning and Hugging Face do under DDP).
-        """
+        other streams must wait for ``handle.staged`` first. CPU tensors are copied before return
+        (after `guard(optimizer)`: it returns before the state is read; see there). Raises the
+        failure of an earlier save's background work, if any. `local`: this rank alone saves its
+        whole state, also under torch.distributed (replicated state saved from rank 0 only)."""
         with self._api_lock, tree.collector_paused():  # thousands of small objects: no full collections inside
             if not local and self._distributed():
                 self.saves.check(step)
                 return self._dist.save(step, state_dict)
             return self.saves.save(step, state_dict)
 
-    def guard(self, optimizer: Any) -> Any:
+    def guard(self, optimizer: Any, *, defer_walk: bool = True) -> Any:
         """Overlap saves with the next forward and backward, in one line for the common loop.
 
         From now on `save()` returns at once: the state is read on a side stream (another thread
         issues the work) while training runs on, and `optimizer.step()` first makes its stream
         wait until that is done, since the optimizer step is what changes parameters and
         optimizer state. Anything else in the state (buffers, an EMA copy) is cloned when
-        `save()` is called (tiered.overlap; beyond a limit the save is strict, logged once).
-        A loop that changes guarded tensors other than through `optimizer.step()` calls
-        `order_updates()` first. Returns a guard whose `remove()` makes saves strict again.
-        """
-        return self.saves.guard(optimizer)
+        `save()` is called (tiered.overlap; beyond a limit the save is strict, logged once). Once
+        a save (or `reserve` after this) has seen the state, `save()` does not walk it: that
+        thread does, before the optimizer step, so until then its dicts and non-tensor values
+        must not change (`defer_walk=False`: each call walks it). A loop that changes guarded
+        tensors other than through `optimizer.step()` calls `order_updates()` first. Returns a
+        guard whose `remove()` makes saves strict again."""
+        return self.saves.guard(optimizer, defer_walk)
 
     def reserve(self, state: Any, *, local: bool = False) -> None:
         """Start pinning host staging memory for saves of `state` (a state dict, or its size in
         bytes) now, in the background, rather than during the first save that needs it.
 
-        Call it once the state exists (after the first step, where the optimizer makes its state).
-        Given the state dict it also decides `codec: auto` from a sample of it, plans its saves, lays
-        them out in the GPU pack buffer and runs their kernels once; under torch.distributed it plans
-        with DCP, so every rank calls it, as `save` (`local`: as `save(..., local=True)`)."""
+        Call it once the state exists (after the first step: the optimizer makes its state), after
+        `guard`. Given the state dict it also decides `codec: auto` from a sample of it, plans and
+        lays out its saves and runs their kernels once; under torch.distributed it plans with DCP,
+        so every rank calls it, as `save` (`local`: as `save(..., local=True)`)."""
         if not isinstance(state, int):
             with self._api_lock, tree.collector_paused():
                 state = (self._dist.reserve(state) if not local and self._distributed()

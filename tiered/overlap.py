@@ -8,13 +8,24 @@ else in the state (buffers that forward updates, such as BatchNorm statistics; a
 updated by hand) is not guarded: it is cloned in the caller's stream when `save()` is called,
 and saved from the clone. Where that would copy much (more than `CLONE_LIMIT`, or a quarter
 of the GPU memory free), the save is staged strictly instead, and the log says why once.
+
+Once a guarded save has been planned (or `Engine.reserve` has planned the state under a guard),
+the next `save()` walks nothing: it clones what the last save found unguarded (`Learned`, by the
+memory it lies in), records where training's streams are, and returns; the stager thread walks
+and plans the state (`deferred_plan`) before it reads it, and the guarded optimizer step waits
+for that as it waits for the reads. What the walk then finds unguarded that was not cloned in
+the call (a tensor new to the state) is cloned by the stager, after what training had queued at
+the call: a tensor the next forward writes (a new BatchNorm's statistics) may then hold a later
+value in that one save, which the log says. Values that are not tensors are read by the stager
+too, before the optimizer step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+import weakref
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -83,10 +94,9 @@ class Guarded:
         return key in self._keys or key in self._state_keys
 
 
-def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SavePlan | None, str]:
-    """(the plan with its unguarded tensors replaced by clones, "") or (None, why not) when
+def to_clone(tensors: Sequence[torch.Tensor], guarded: Guarded, free_gpu: Any) -> tuple[list[int] | None, str]:
+    """(the positions of the tensors an overlapped save clones, "") or (None, why not) when
     cloning them would copy too much GPU memory. `free_gpu(index)`: free bytes on that GPU."""
-    tensors: list[torch.Tensor] = list(plan.tensors)
     unguarded = guarded.unguarded(tensors)
     over = _over_limit(tensors, unguarded, free_gpu)
     if over:  # before staging strictly: aliases of guarded memory that are other objects are guarded too
@@ -97,9 +107,125 @@ def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SaveP
         return None, (f"{format_size(nbytes)} of the state on cuda:{index} is not guarded by an optimizer (not a "
                       f"parameter or optimizer state) and would have to be copied; the limit is "
                       f"{format_size(limit)}")
+    return unguarded, ""
+
+
+def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SavePlan | None, str]:
+    """(the plan with its unguarded tensors replaced by clones, "") or (None, why not): see `to_clone`."""
+    unguarded, why = to_clone(plan.tensors, guarded, free_gpu)
+    if unguarded is None:
+        return None, why
+    tensors: list[torch.Tensor] = list(plan.tensors)
     for i in unguarded:
         tensors[i] = tensors[i].clone()
     return dataclasses.replace(plan, tensors=tuple(tensors)), ""
+
+
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of the same memory."""
+    return t.get_device(), t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+class _Source(NamedTuple):
+    """Where an unguarded tensor of the last save lies: its memory held weakly (a tensor the
+    caller made for that save alone is let go with it), and its view of that memory."""
+
+    storage: "weakref.ref[Any]"
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    key: tuple[Any, ...]
+
+
+class Learned:
+    """What an overlapped save learned of its state, for the next `save()` to return without
+    walking it: the optimizers that guarded it, the GPUs its tensors were on, and where its
+    unguarded tensors lie. Made by the stager thread (or `reserve`, or a first save) from the
+    save's plan; read by the call, which clones the unguarded tensors whose memory is still in
+    use (`clone_now`) and records events on those GPUs."""
+
+    def __init__(self, guards: Sequence[Any], tensors: Sequence[torch.Tensor], unguarded: Sequence[int],
+                 devices: Iterable[int], raw_bytes: int):
+        self.guards = tuple(guards)
+        self.devices = tuple(devices)
+        self.raw_bytes = raw_bytes
+        self.sources = [_Source(weakref.ref(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(),
+                                t.dtype, t.device, view_key(t)) for t in (tensors[i] for i in unguarded)]
+
+    def fits(self, guards: Sequence[Any]) -> bool:
+        """Learned under these very optimizers (a guard added or removed since: walk again)."""
+        return len(guards) == len(self.guards) and all(a is b for a, b in zip(guards, self.guards))
+
+    def clone_now(self) -> dict[tuple[Any, ...], torch.Tensor]:
+        """Clones, on the current streams, of the last save's unguarded tensors whose memory is
+        still in use, by `view_key`: one clone and one small view per tensor, no walk."""
+        clones = {}
+        for src in self.sources:
+            storage = src.storage()
+            if storage is not None:
+                view = torch.empty(0, dtype=src.dtype, device=src.device).set_(storage, src.offset, src.shape,
+                                                                                src.stride)
+                clones[src.key] = view.clone()
+        return clones
+
+
+def clone_after(t: torch.Tensor, after: dict[int, Any], stream_of: Callable[[int], Any]) -> torch.Tensor:
+    """A clone of `t` made on the save's stream (`stream_of(gpu)`) after what training had queued
+    at the save's call (`after[gpu]`, an event), which then stands for the clone too: the save's
+    reads, on whichever stream, wait for it (a CPU tensor: cloned now)."""
+    index = t.get_device()
+    if index < 0:
+        return t.clone()
+    stream = stream_of(index)
+    with torch.cuda.stream(stream):
+        if after.get(index) is not None:
+            stream.wait_event(after[index])
+        made = t.clone()
+        after[index] = torch.cuda.Event()
+        after[index].record(stream)
+    return made
+
+
+class Deferred(NamedTuple):
+    """`deferred_plan`'s answer."""
+
+    plan: SavePlan
+    """The plan with every unguarded tensor replaced by a clone (or, beyond the limit, read as it is)."""
+    unguarded: list[int]
+    """The positions of the unguarded tensors (for the next `Learned`)."""
+    new: list[int]
+    """Of those, the ones `save()` had no clone of (cloned now, or read as they are)."""
+    why: str
+    """Non-empty where the new ones were too large to clone (`to_clone`'s reason)."""
+
+
+def deferred_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any, clones: dict[tuple[Any, ...], torch.Tensor],
+                  clone: Callable[[torch.Tensor], torch.Tensor]) -> Deferred:
+    """For a save whose call walked nothing (on the stager thread, once it has walked the state):
+    its unguarded tensors replaced by the clones `save()` made of the same views (`clones`), the
+    others by `clone(t)`, unless cloning those would copy too much GPU memory: they are then
+    read as they are."""
+    tensors: list[torch.Tensor] = list(plan.tensors)
+    unguarded = guarded.unguarded(tensors)
+    new = []
+    for i in unguarded:
+        made = clones.get(view_key(tensors[i]))
+        if made is None:
+            new.append(i)
+        else:
+            tensors[i] = made
+    why = ""
+    if new:
+        fresh, why = to_clone([tensors[i] for i in new], guarded, free_gpu)
+        unguarded = [i for i in unguarded if i not in set(new)]  # (what the next call clones: not those read as they are)
+        if fresh is not None:
+            new = [new[j] for j in fresh]  # (less aliases of guarded memory)
+            for i in new:
+                tensors[i] = clone(tensors[i])
+            unguarded += new
+    return Deferred(dataclasses.replace(plan, tensors=tuple(tensors)), unguarded, new, why)
 
 
 def _over_limit(tensors: list[torch.Tensor], unguarded: list[int], free_gpu: Any) -> tuple[int, int, int] | None:
@@ -121,13 +247,12 @@ def _over_limit(tensors: list[torch.Tensor], unguarded: list[int], free_gpu: Any
 class Guard:
     """What `Engine.guard` returns: `remove()` stops guarding (later saves are strict again)."""
 
-    def __init__(self, guards: list[Any], optimizer: Any, hook: Any, order: Any):
-        self._guards, self.optimizer, self._hook, self._order = guards, optimizer, hook, order
+    def __init__(self, optimizer: Any, hook: Any, order: Callable[[], None], forget: Callable[[Any], None]):
+        self.optimizer, self._hook, self._order, self._forget = optimizer, hook, order, forget
 
     def remove(self) -> None:
         """Order the current streams after saves in flight, then stop guarding."""
         self._order()
         self._hook.remove()
-        if self.optimizer in self._guards:
-            self._guards.remove(self.optimizer)
+        self._forget(self.optimizer)
 

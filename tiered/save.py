@@ -13,7 +13,9 @@ after this rank's index, because the step is committed once every rank's files a
       -> stage: GPU tensors packed + compressed on a side stream (tiered.gpu: the compressed copy
          is the snapshot), CPU tensors copied into host staging (tiered.cpu)   -> returns
          (with `guard(optimizer)`: the stage runs on the stager thread instead, `save()`
-         returns at once, and the optimizer's next step waits for the reads: tiered.overlap)
+         returns at once, and the optimizer's next step waits for the reads: tiered.overlap;
+         once a guarded save has learned the state's structure, the stager thread also walks
+         and plans the next ones, and their call clones what is unguarded and returns)
     writer thread, per staged segment, in order:
       -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; tensors stored
          as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
@@ -31,6 +33,7 @@ written, and its files are discarded.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import queue
@@ -48,7 +51,7 @@ from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import ALIGNMENT, Manifest
 from tiered.handle import RankFiles, SaveHandle
-from tiered.overlap import Guard, Guarded, overlap_plan
+from tiered.overlap import Guard, Guarded, Learned, clone_after, deferred_plan, to_clone
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
@@ -91,6 +94,11 @@ class SavePipeline:
         self._unordered: list[Job] = []
         """Overlapped saves that no guarded optimizer step has waited for yet."""
         self._logged_strict = False
+        self._walk_in_call: list[Any] = []
+        """Guarded optimizers whose saves walk their state in save() (`guard(defer_walk=False)`)."""
+        self._learned: Learned | None = None
+        """What the last guarded save learned of its state: the next one's call walks nothing."""
+        self._logged_new = False
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
@@ -100,14 +108,22 @@ class SavePipeline:
         self._watch = Watch(self._steps_in_flight, lambda: self.progress)
 
     # --- overlapping saves with the next forward and backward ------------------------------------
-    def guard(self, optimizer: Any) -> Guard:
+    def guard(self, optimizer: Any, defer_walk: bool = True) -> Guard:
         """From now on `save()` returns before the state has been read, and `optimizer.step()`
-        waits until it has (tiered.overlap says what is guarded and what is cloned instead)."""
+        waits until it has (tiered.overlap says what is guarded and what is cloned instead).
+        `defer_walk=False`: while this guard stands, each save's call walks its state itself."""
         self._guards.append(optimizer)
+        if not defer_walk:
+            self._walk_in_call.append(optimizer)
         if self._stager is None:
             self._stager = threads.start(self._stager_loop, name="tiered-stager")
-        return Guard(self._guards, optimizer, optimizer.register_step_pre_hook(lambda *_: self.order_updates()),
-                     self.order_updates)
+        return Guard(optimizer, optimizer.register_step_pre_hook(lambda *_: self.order_updates()),
+                     self.order_updates, self._unguard)
+
+    def _unguard(self, optimizer: Any) -> None:
+        for kept in (self._guards, self._walk_in_call):
+            if optimizer in kept:
+                kept.remove(optimizer)
 
     def order_updates(self) -> None:
         """Make the current streams wait until every overlapped save has read the state (a guarded
@@ -126,9 +142,11 @@ class SavePipeline:
             if job is None:
                 return
             try:
+                if job.plan is None:
+                    self._plan_deferred(job)
                 self._stage(job)
             except BaseException:  # noqa: BLE001 - the writer records it (BackgroundSaveError)
-                for index in job.plan.gpu:  # nothing of this save may still read the state
+                for index in job.plan.gpu if job.plan is not None else ():  # nothing of it may still read the state
                     self.workers.device(index).stream.synchronize()
             finally:
                 job.enqueued.set()
@@ -142,6 +160,7 @@ class SavePipeline:
         in each GPU's pack buffer and run the save's kernels once (`GpuDevice.prepare`), so that
         the first save of its structure reuses the plan and the layout and loads no kernel.
         Returns its tensors' bytes."""
+        self._wait_planned()
         leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
         structure = state_dict.structure if type(state_dict) is tree.Flat else None
         tensors = [leaf.tensor for leaf in leaves]
@@ -149,6 +168,8 @@ class SavePipeline:
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
             self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
+        if self._guards and not rank_only:  # (guarded already: the first save's call walks nothing either)
+            self._learn(made)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
         copied, rest = self._cpu_copies.split(made.cpu)
@@ -251,6 +272,10 @@ class SavePipeline:
         with self._lock:
             if step in self._inflight:
                 raise TieredError(f"step {step} is already being saved")
+        learned = self._learned
+        if learned is not None and not rank_only and not self._walk_in_call and learned.fits(self._guards):
+            return self._save_deferred(step, state_dict, learned, t0)
+        self._wait_planned()
         skeleton, leaves = tree.flatten(state_dict, share=not rank_only)  # (DCP's items are its own)
         t1 = time.perf_counter()
         if rank_only:
@@ -259,20 +284,14 @@ class SavePipeline:
         else:
             tier = self._begin(step, leaves)
         t2 = time.perf_counter()
-        if tier is self.tier:
-            plan = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready,
-                                    state_dict.structure if type(state_dict) is tree.Flat else None)
-        else:  # through host memory, in a codec every machine decodes (the slower tiers are portable)
-            codec = self.config.tiers[1].codec
-            plan = make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
-                             gpu_codecs=False)
+        plan = self._plan(tier, leaves, state_dict.structure if type(state_dict) is tree.Flat else None)
         handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
                             _reported=self._reported)
         t3 = time.perf_counter()  # (planning in all, and of it: the walk of the state, the tier's step made)
         handle.timings.update(plan_ms=1e3 * (t3 - t0), flatten_ms=1e3 * (t1 - t0), begin_ms=1e3 * (t2 - t1))
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
-        overlapped = self._overlapped(plan) if self._guards else None
+        overlapped = self._overlapped(plan, learn=not rank_only and tier is self.tier) if self._guards else None
         job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
         with self._lock:
@@ -292,15 +311,116 @@ class SavePipeline:
         handle.stall_s = time.perf_counter() - t0
         return handle
 
-    def _overlapped(self, plan: SavePlan) -> SavePlan | None:
-        """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly."""
-        got, why = overlap_plan(plan, Guarded(self._guards), lambda i: torch.cuda.mem_get_info(i)[0])
-        if got is None and not self._logged_strict:
-            self._logged_strict = True
-            log.warning("tiered: saves are staged strictly (save() waits for the GPU to read the state), not "
-                        "overlapped with the next forward and backward: %s. Guard the optimizer that updates it, or "
-                        "save it separately", why)
-        return got
+    def _plan(self, tier: Any, leaves: list[tree.Leaf], structure: Any) -> SavePlan:
+        """The plan of a save to `tier` (`structure`: tiered.tree.Flat's)."""
+        if tier is self.tier:
+            return self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
+        codec = self.config.tiers[1].codec  # (through host memory, in a codec every machine decodes)
+        return make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
+                         gpu_codecs=False)
+
+    def _overlapped(self, plan: SavePlan, learn: bool) -> SavePlan | None:
+        """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly.
+        `learn`: what it found is what the next save's call clones (`_learn`)."""
+        unguarded, why = to_clone(plan.tensors, Guarded(self._guards), _free_gpu)
+        if unguarded is None:
+            self._learned = None
+            if not self._logged_strict:
+                self._logged_strict = True
+                log.warning("tiered: saves are staged strictly (save() waits for the GPU to read the state), not "
+                            "overlapped with the next forward and backward: %s. Guard the optimizer that updates it, "
+                            "or save it separately", why)
+            return None
+        if learn:
+            self._learn(plan, unguarded)
+        tensors = list(plan.tensors)
+        for i in unguarded:
+            tensors[i] = tensors[i].clone()
+        return dataclasses.replace(plan, tensors=tuple(tensors))
+
+    def _learn(self, plan: SavePlan, unguarded: list[int] | None = None) -> None:
+        """Keep what the next save's call needs to walk nothing (`tiered.overlap.Learned`); a state
+        that would be staged strictly teaches nothing."""
+        if unguarded is None:
+            unguarded = to_clone(plan.tensors, Guarded(self._guards), _free_gpu)[0]
+        self._learned = None if unguarded is None else \
+            Learned(self._guards, plan.tensors, unguarded, plan.gpu, plan.raw_bytes)
+
+    def _save_deferred(self, step: int, state_dict: Any, learned: Learned, t0: float) -> SaveHandle:
+        """A guarded save whose state's structure the last one learned: clone what that one found
+        unguarded, record where training's streams are, and return; the stager thread walks and
+        plans the state (`_plan_deferred`) before it reads it, and the guarded optimizer step
+        waits for both."""
+        if self.tier.has_step(step):
+            self.tier.begin_step(step)  # (refuses a committed step, here and now)
+        handle = SaveHandle(step, raw_bytes=learned.raw_bytes, tier=self.tier.name, _reported=self._reported)
+        handle.staged.add_done_callback(
+            lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
+        job = Job(step, None, None, handle, device_io=bool(learned.devices), state=state_dict,
+                   clones=learned.clone_now())
+        job.after = {index: _recorded(index) for index in learned.devices}  # (after the clones)
+        with self._lock:
+            self._inflight[step] = handle
+            self._unordered.append(job)
+        self._jobs.put(job)
+        self._stage_queue.put(job)
+        handle.stall_s = time.perf_counter() - t0
+        handle.timings["call_ms"] = 1e3 * handle.stall_s
+        return handle
+
+    def _plan_deferred(self, job: Job) -> None:
+        """On the stager thread, for a deferred save: walk and plan its state as `save` would, and
+        replace its unguarded tensors with the clones save() made (tiered.overlap.deferred_plan).
+        A failure is handed to the writer, as `_stage`'s."""
+        t0 = time.perf_counter()
+        handle = job.handle
+        try:
+            with tree.collector_paused():
+                skeleton, leaves = tree.flatten(job.state, share=True)
+                job.state = None
+                t1 = time.perf_counter()
+                tier = job.tier = self._begin(job.step, leaves)
+                t2 = time.perf_counter()
+                plan = self._plan(tier, leaves, None)
+                for index in plan.gpu:
+                    if index not in job.after:  # (a GPU the last save had no tensor on: read once it is idle)
+                        torch.cuda.synchronize(index)
+                        job.after[index] = None
+                got = deferred_plan(plan, Guarded(self._guards), _free_gpu, job.clones,
+                                    lambda t: clone_after(t, job.after, lambda i: self.workers.device(i).stream))
+                job.clones, job.held = {}, [plan.tensors[i] for i in got.new]
+                if got.why:  # (too large to clone: the next save is planned in its call, and staged strictly)
+                    self._learned = None
+                elif tier is self.tier:
+                    self._learned = Learned(self._guards, plan.tensors, got.unguarded, plan.gpu, plan.raw_bytes)
+            if got.new and (got.why or not self._logged_new):
+                self._logged_new = True
+                log.log(logging.WARNING if got.why else logging.INFO,
+                        "tiered: step %d: %d tensors that no guarded optimizer updates lie where the last save had "
+                        "none (the first: %s; a tensor made anew for each save, such as an RNG state, always "
+                        "does): %s by the stager thread after save() returned, so one that the next forward "
+                        "changes holds its later value; %s", job.step, len(got.new),
+                        tree.path_str(leaves[got.new[0]].path), "read as they are" if got.why else "copied",
+                        f"{got.why}, so the next save is planned in its call and staged strictly" if got.why
+                        else "from the next save on, those that stay where they are are copied in save()")
+        except BaseException as exc:
+            job.segments.put(Abort(exc))
+            job.go.set()
+            raise
+        job.skeleton, job.plan, job.device_io = skeleton, got.plan, bool(plan.gpu)
+        handle.raw_bytes, handle.tier = plan.raw_bytes, tier.name
+        handle.timings.update(stager_plan_ms=1e3 * (time.perf_counter() - t0), flatten_ms=1e3 * (t1 - t0),
+                              begin_ms=1e3 * (t2 - t1))
+        if tier is self.tier:
+            self.codec.after_save(plan, handle)
+
+    def _wait_planned(self) -> None:
+        """Before a save plans on the caller's thread: every deferred save is planned (one plan
+        cache, planned on one thread at a time)."""
+        with self._lock:
+            jobs = [job for job in self._unordered if job.plan is None]
+        for job in jobs:
+            job.enqueued.wait()
 
     def _stage(self, job: Job, strict: bool = False) -> None:
         """Stage the job's tensors (the caller's thread, or the stager's once an optimizer is
@@ -396,8 +516,8 @@ class SavePipeline:
             for _, ev in job.reads:  # the GPU may still read what was staged: wait before letting it go
                 ev.synchronize()
             job.drop_tensors()
-            # Uncommitted: invisible anyway; frees the space.
-            job.tier.discard_rank(job.step, self.rank) if job.rank_only else job.tier.discard(job.step)
+            if job.tier is not None:  # Uncommitted: invisible anyway; frees the space.
+                job.tier.discard_rank(job.step, self.rank) if job.rank_only else job.tier.discard(job.step)
             err = BackgroundSaveError(job.step, exc)
             if not job.aborted:
                 log.error("tiered: %s", err)
@@ -442,6 +562,10 @@ def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+def _free_gpu(index: int) -> int:
+    return torch.cuda.mem_get_info(index)[0]
 
 
 def _recorded(index: int) -> Any:

@@ -38,7 +38,8 @@ class Abort:
 class Job:
     step: int
     skeleton: Any
-    plan: SavePlan
+    plan: SavePlan | None
+    """None until the stager has planned a deferred save (`state`)."""
     handle: SaveHandle
     device_io: bool
     segments: "queue.Queue[Any]" = field(default_factory=queue.Queue)
@@ -61,11 +62,20 @@ class Job:
     """Per GPU, the event after which the state may change (set once staged)."""
     enqueued: threading.Event = field(default_factory=threading.Event)
     """The stager thread has issued (or given up) all of this save's reads."""
+    state: Any = None
+    """A deferred save's state, until the stager thread has walked it (tiered.overlap: `Learned`)."""
+    clones: dict[Any, Any] = field(default_factory=dict)
+    """A deferred save's clones of the last save's unguarded tensors, made in save()."""
+    held: list[Any] = field(default_factory=list)
+    """Tensors the stager thread cloned on a side stream: alive until the save has read the clones
+    (freed sooner, their memory could be taken and written by training's stream first)."""
 
     def drop_tensors(self) -> None:
         """Forget the saved tensors once the GPU has read them (or the save has failed): the engine
         must not keep a state alive that the caller has let go, nor let it go while still reading."""
-        self.plan = dataclasses.replace(self.plan, tensors=())
+        self.state, self.clones, self.held = None, {}, []
+        if self.plan is not None:
+            self.plan = dataclasses.replace(self.plan, tensors=())
 
 
 def write_rank(job: Job, rank: int, config: Config, workers: Workers, on_place: Callable[[], None]) -> RankFiles:
@@ -74,6 +84,9 @@ def write_rank(job: Job, rank: int, config: Config, workers: Workers, on_place: 
     host copies as they lie), closed (fsync), then its index. `on_place()` is called per wave of
     chunks placed (the pipeline's progress). Raises a staging failure the segments bring."""
     job.go.wait()
+    if job.plan is None:  # (a deferred save the stager could not plan: its failure is the next segment)
+        seg, job.staging_over = job.segments.get(), True
+        raise TieredError(f"staging failed: {type(seg.exc).__name__}: {seg.exc}")
     data_name = data_file_name(rank)
     writer = job.tier.open_data_writer(job.step, data_name, device=job.device_io)
     # Each tensor's chunks as packed rows (one byte string, not an object per chunk or per
