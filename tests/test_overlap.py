@@ -399,3 +399,30 @@ def test_a_guard_that_keeps_the_walk_in_the_call(tier_config, monkeypatch):
         for step in (4, 5):
             engine.save(step, _state(model, opt)).wait()
         assert walks.threads[4:] == ["tiered-stager", "tiered-stager"]
+
+
+def test_new_tensors_too_large_to_clone_are_read_as_they_are_and_the_next_save_is_strict(tier_config, monkeypatch,
+                                                                                        caplog):
+    """Where cloning the tensors new to a deferred save would copy more than the limit (GPU
+    memory: forced here), they are read as they are, the log says so, and the next save walks
+    its state in its call and is staged strictly, as a first save over the limit is."""
+    model, opt = trained_model("cpu", steps=1)
+    over = {"on": False}
+    real = overlap._over_limit
+    monkeypatch.setattr(overlap, "_over_limit",
+                        lambda tensors, unguarded, free: (0, 1 << 40, 1) if over["on"] and unguarded
+                        else real(tensors, unguarded, free))
+    walks = _HeldWalk(monkeypatch)
+    walks.release()
+    extra = torch.arange(100, dtype=torch.float32)
+    with tiered.Engine.from_config(tier_config()) as engine, caplog.at_level(logging.INFO, "tiered"):
+        engine.guard(opt)
+        engine.save(1, {"model": model.state_dict()}).wait()
+        over["on"] = True
+        want = _copy({"model": model.state_dict(), "extra": extra})
+        engine.save(2, {"model": model.state_dict(), "extra": extra}).wait()
+        assert "read as they are by the stager thread" in caplog.text and "staged strictly" in caplog.text
+        engine.save(3, {"model": model.state_dict(), "extra": extra}).wait()
+        assert walks.threads == ["MainThread", "tiered-stager", "MainThread"]
+        assert "saves are staged strictly" in caplog.text
+        assert _equal(engine.load(2), want) and _equal(engine.load(3), want)

@@ -219,7 +219,8 @@ def deferred_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any, clones: dict[
     why = ""
     if new:
         fresh, why = to_clone([tensors[i] for i in new], guarded, free_gpu)
-        unguarded = [i for i in unguarded if i not in set(new)]  # (what the next call clones: not those read as they are)
+        fresh_set = set(new)
+        unguarded = [i for i in unguarded if i not in fresh_set]  # (what the next call clones: not those read as they are)
         if fresh is not None:
             new = [new[j] for j in fresh]  # (less aliases of guarded memory)
             for i in new:
