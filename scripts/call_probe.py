@@ -9,8 +9,8 @@ Prints the medians (after 5 warm-up iterations, collector paused, as in a save) 
 the state (`tree.flatten`), the cached plan's key and reuse (`PlanCache.plan`), the storages the
 optimizers guard (`overlap.Guarded`) and the search for the rest (`overlap.overlap_plan`).
 With `--engine DIR`, it times whole guarded `Engine.save` calls instead (a local tier under DIR,
-codec none), alternating blocks of saves whose call walks the state (`guard(defer_walk=False)`)
-and saves whose stager thread does (the default), with the optimizer step after each save that
+codec none), alternating blocks of saves whose call walks the state (the default) and saves
+whose stager thread does (`guard(defer_walk=True)`), with the optimizer step after each save that
 waits for it; it prints the median call of each. To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
 (`taskset -c 3`): the host's speed moves from one process to the next (docs/benchmarks.md,
 session 14).

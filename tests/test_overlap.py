@@ -169,17 +169,20 @@ def test_detached_aliases_of_optimizer_state_are_guarded_not_strict(tier_config,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("defer_walk", [False, True])
 @pytest.mark.parametrize("codec", ["ans", "none"])
-def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path, codec):
+def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path, codec, defer_walk):
     """save() returns before the GPU has read the state; the caller lets it go at once and new
     tensors on the training stream take the freed memory and overwrite it. The engine holds what
     it reads until read (it marks no tensor's memory for its own stream), so the step has the
-    state as it was at save()."""
+    state as it was at save(). With `defer_walk`, step 2's tensors are new to the state: the
+    stager clones them, and every read of the save waits for those clones (GPU run 291: the
+    copy-engine path's own stream did not)."""
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": codec}]}
     g = torch.Generator(device="cuda").manual_seed(2)
     param = torch.zeros(16, device="cuda", requires_grad=True)
     with tiered.Engine.from_config(cfg) as engine:
-        engine.guard(torch.optim.SGD([param], lr=0.1))
+        engine.guard(torch.optim.SGD([param], lr=0.1), defer_walk=defer_walk)
         for step in (1, 2):
             state = {f"x{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(8)}
             want = {k: v.cpu() for k, v in state.items()}
@@ -280,7 +283,7 @@ def test_a_guarded_save_after_the_first_is_walked_by_the_stager_not_its_call(tie
     model, opt = trained_model(device, steps=1)
     walks = _HeldWalk(monkeypatch)
     with tiered.Engine.from_config(tier_config()) as engine:
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         walks.release()
         engine.save(1, _state(model, opt)).wait()
         assert walks.threads == ["MainThread"], "the first save learns the structure in its call"
@@ -307,7 +310,7 @@ def test_a_deferred_save_clones_in_its_call_what_the_last_save_found_unguarded(t
     walks = _HeldWalk(monkeypatch)
     walks.release()
     with tiered.Engine.from_config(tier_config()) as engine:
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         engine.save(1, {"model": model.state_dict(), "ema": ema}).wait()
         walks.go.clear()
         state = {"model": model.state_dict(), "ema": ema}
@@ -330,7 +333,7 @@ def test_a_tensor_new_to_a_deferred_save_is_copied_by_the_stager_and_logged(tier
     walks = _HeldWalk(monkeypatch)
     walks.release()
     with tiered.Engine.from_config(tier_config()) as engine, caplog.at_level(logging.INFO, "tiered"):
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         engine.save(1, {"model": model.state_dict()}).wait()
         state = {"model": model.state_dict(), "extra": {"counts": extra}}
         want2 = _copy(state)
@@ -353,10 +356,11 @@ def test_a_deferred_save_of_a_state_that_cannot_be_stored_fails_at_the_next_call
     what is wrong, nothing of the step is left behind, and later saves go on."""
     model, opt = trained_model("cpu", steps=1)
     with tiered.Engine.from_config(tier_config()) as engine:
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         engine.save(1, _state(model, opt)).wait()
         engine.save(2, {**_state(model, opt), "bad": object()})
-        with pytest.raises(tiered.BackgroundSaveError, match=r"save\(step=2\).*StateDictError: bad: cannot checkpoint an object of type"):
+        with pytest.raises(tiered.BackgroundSaveError,
+                           match=r"save\(step=2\).*StateDictError: bad: cannot checkpoint an object of type"):
             engine.wait()
         assert engine.steps() == [1] and not (engine.tier.step_dir(2)).exists()
         engine.save(3, _state(model, opt)).wait()
@@ -371,31 +375,31 @@ def test_reserve_after_guard_lets_the_first_save_skip_its_walk_and_a_new_guard_w
     walks = _HeldWalk(monkeypatch)
     walks.release()
     with tiered.Engine.from_config(tier_config()) as engine:
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         engine.reserve(_state(model, opt))
         engine.save(1, _state(model, opt)).wait()
         assert walks.threads == ["MainThread", "tiered-stager"], "reserve() walked it; the save's call did not"
         other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-        engine.guard(other)  # another optimizer: what is guarded changed, so the next call walks again
+        engine.guard(other, defer_walk=True)  # another optimizer: what is guarded changed, so the next call walks
         engine.save(2, _state(model, opt)).wait()
         assert walks.threads[-1] == "MainThread"
 
 
-def test_a_guard_that_keeps_the_walk_in_the_call(tier_config, monkeypatch):
-    """`guard(optimizer, defer_walk=False)`: every save's call walks its state (its values are
-    read then), as long as that guard stands; once it gives way to one that defers, saves go on
-    from what the last walk learned."""
+def test_a_guard_keeps_the_walk_in_the_call_unless_asked_to_defer_it(tier_config, monkeypatch):
+    """`guard(optimizer)`: every save's call walks its state (its values are read then), as long
+    as that guard stands; once it gives way to one with `defer_walk=True`, saves go on from what
+    the last walk learned."""
     model, opt = trained_model("cpu", steps=1)
     walks = _HeldWalk(monkeypatch)
     walks.release()
     with tiered.Engine.from_config(tier_config()) as engine:
-        guard = engine.guard(opt, defer_walk=False)
+        guard = engine.guard(opt)
         engine.reserve(_state(model, opt))
         for step in (1, 2, 3):
             engine.save(step, _state(model, opt)).wait()
         assert walks.threads == ["MainThread"] * 4
         guard.remove()
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         for step in (4, 5):
             engine.save(step, _state(model, opt)).wait()
         assert walks.threads[4:] == ["tiered-stager", "tiered-stager"]
@@ -416,7 +420,7 @@ def test_new_tensors_too_large_to_clone_are_read_as_they_are_and_the_next_save_i
     walks.release()
     extra = torch.arange(100, dtype=torch.float32)
     with tiered.Engine.from_config(tier_config()) as engine, caplog.at_level(logging.INFO, "tiered"):
-        engine.guard(opt)
+        engine.guard(opt, defer_walk=True)
         engine.save(1, {"model": model.state_dict()}).wait()
         over["on"] = True
         want = _copy({"model": model.state_dict(), "extra": extra})

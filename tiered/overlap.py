@@ -9,15 +9,18 @@ updated by hand) is not guarded: it is cloned in the caller's stream when `save(
 and saved from the clone. Where that would copy much (more than `CLONE_LIMIT`, or a quarter
 of the GPU memory free), the save is staged strictly instead, and the log says why once.
 
-Once a guarded save has been planned (or `Engine.reserve` has planned the state under a guard),
-the next `save()` walks nothing: it clones what the last save found unguarded (`Learned`, by the
+With `Engine.guard(optimizer, defer_walk=True)` (on every guard), once a guarded save has been
+planned (or `Engine.reserve` has planned the state under a guard), the next `save()` walks
+nothing: it clones what the last save found unguarded (`Learned`, by the
 memory it lies in), records where training's streams are, and returns; the stager thread walks
 and plans the state (`deferred_plan`) before it reads it, and the guarded optimizer step waits
 for that as it waits for the reads. What the walk then finds unguarded that was not cloned in
 the call (a tensor new to the state) is cloned by the stager, after what training had queued at
 the call: a tensor the next forward writes (a new BatchNorm's statistics) may then hold a later
 value in that one save, which the log says. Values that are not tensors are read by the stager
-too, before the optimizer step.
+too, before the optimizer step. It is not the default: a walk on the stager thread shares the
+GIL with the training thread launching the next step, and where launching bounds the step it
+saved nothing in the runs so far (docs/benchmarks.md, session 32; scripts/gil_share_probe.py).
 """
 
 from __future__ import annotations
@@ -220,7 +223,7 @@ def deferred_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any, clones: dict[
     if new:
         fresh, why = to_clone([tensors[i] for i in new], guarded, free_gpu)
         fresh_set = set(new)
-        unguarded = [i for i in unguarded if i not in fresh_set]  # (what the next call clones: not those read as they are)
+        unguarded = [i for i in unguarded if i not in fresh_set]  # (the next call clones these: not those read as is)
         if fresh is not None:
             new = [new[j] for j in fresh]  # (less aliases of guarded memory)
             for i in new:

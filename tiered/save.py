@@ -95,7 +95,7 @@ class SavePipeline:
         """Overlapped saves that no guarded optimizer step has waited for yet."""
         self._logged_strict = False
         self._walk_in_call: list[Any] = []
-        """Guarded optimizers whose saves walk their state in save() (`guard(defer_walk=False)`)."""
+        """Guarded optimizers whose saves walk their state in save() (`guard` without `defer_walk`)."""
         self._learned: Learned | None = None
         """What the last guarded save learned of its state: the next one's call walks nothing."""
         self._logged_new = False
@@ -108,10 +108,11 @@ class SavePipeline:
         self._watch = Watch(self._steps_in_flight, lambda: self.progress)
 
     # --- overlapping saves with the next forward and backward ------------------------------------
-    def guard(self, optimizer: Any, defer_walk: bool = True) -> Guard:
+    def guard(self, optimizer: Any, defer_walk: bool = False) -> Guard:
         """From now on `save()` returns before the state has been read, and `optimizer.step()`
         waits until it has (tiered.overlap says what is guarded and what is cloned instead).
-        `defer_walk=False`: while this guard stands, each save's call walks its state itself."""
+        `defer_walk`: the stager thread walks the state, not the call, once a save has seen it,
+        where every guard standing asks for it."""
         self._guards.append(optimizer)
         if not defer_walk:
             self._walk_in_call.append(optimizer)
