@@ -169,7 +169,7 @@ class SavePipeline:
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
             self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
-        if self._guards and not rank_only:  # (guarded already: the first save's call walks nothing either)
+        if self._guards and not rank_only and not self._walk_in_call:  # (the first save's call walks nothing either)
             self._learn(made)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
@@ -292,7 +292,8 @@ class SavePipeline:
         handle.timings.update(plan_ms=1e3 * (t3 - t0), flatten_ms=1e3 * (t1 - t0), begin_ms=1e3 * (t2 - t1))
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
-        overlapped = self._overlapped(plan, learn=not rank_only and tier is self.tier) if self._guards else None
+        learn = not rank_only and tier is self.tier and not self._walk_in_call  # (for deferred saves only)
+        overlapped = self._overlapped(plan, learn) if self._guards else None
         job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
         with self._lock:
