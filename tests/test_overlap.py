@@ -430,3 +430,19 @@ def test_new_tensors_too_large_to_clone_are_read_as_they_are_and_the_next_save_i
         assert walks.threads == ["MainThread", "tiered-stager", "MainThread"]
         assert "saves are staged strictly" in caplog.text
         assert _equal(engine.load(2), want) and _equal(engine.load(3), want)
+
+
+def test_the_calls_clones_leave_memory_freed_since_alone():
+    """`Learned.clone_now` clones the last save's unguarded views whose memory is still in use,
+    not memory resized or let go since (FSDP frees a parameter's storage by resizing it to 0):
+    making the view again there would grow that storage back."""
+    t = torch.arange(10.0)
+    view = t[2:8:2]
+    gone = torch.ones(3)
+    learned = overlap.Learned([], [t, view, gone], [0, 1, 2], [], 40)
+    del gone
+    clones = learned.clone_now()
+    assert set(clones) == {overlap.view_key(t), overlap.view_key(view)}
+    assert clones[overlap.view_key(view)].tolist() == [2.0, 4.0, 6.0]
+    t.untyped_storage().resize_(0)
+    assert learned.clone_now() == {} and t.untyped_storage().nbytes() == 0

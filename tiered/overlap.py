@@ -140,6 +140,15 @@ class _Source(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     key: tuple[Any, ...]
+    end: int
+    """The byte of the storage after the view's last element: what it must still hold."""
+
+
+def _source(t: torch.Tensor) -> _Source:
+    size = t.element_size()
+    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return _Source(weakref.ref(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                   t.device, view_key(t), (t.storage_offset() + span) * size)
 
 
 class Learned:
@@ -154,8 +163,7 @@ class Learned:
         self.guards = tuple(guards)
         self.devices = tuple(devices)
         self.raw_bytes = raw_bytes
-        self.sources = [_Source(weakref.ref(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(),
-                                t.dtype, t.device, view_key(t)) for t in (tensors[i] for i in unguarded)]
+        self.sources = [_source(tensors[i]) for i in unguarded]
 
     def fits(self, guards: Sequence[Any]) -> bool:
         """Learned under these very optimizers (a guard added or removed since: walk again)."""
@@ -167,10 +175,13 @@ class Learned:
         clones = {}
         for src in self.sources:
             storage = src.storage()
-            if storage is not None:
-                view = torch.empty(0, dtype=src.dtype, device=src.device).set_(storage, src.offset, src.shape,
-                                                                                src.stride)
-                clones[src.key] = view.clone()
+            # (memory resized or moved since, as FSDP frees a parameter's: not that view; and set_
+            # would grow the storage back)
+            if storage is None or storage.nbytes() < src.end or \
+                    storage.data_ptr() + src.offset * src.key[2].itemsize != src.key[1]:
+                continue
+            view = torch.empty(0, dtype=src.dtype, device=src.device).set_(storage, src.offset, src.shape, src.stride)
+            clones[src.key] = view.clone()
         return clones
 
 
