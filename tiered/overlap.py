@@ -11,8 +11,8 @@ of the GPU memory free), the save is staged strictly instead, and the log says w
 
 With `Engine.guard(optimizer, defer_walk=True)` (on every guard), once a guarded save has been
 planned (or `Engine.reserve` has planned the state under a guard), the next `save()` walks
-nothing: it clones what the last save found unguarded (`Learned`, by the
-memory it lies in), records where training's streams are, and returns; the stager thread walks
+nothing: it clones what the last save found unguarded (`Learned`, by the memory it lies in),
+records where training's streams are, and returns; the stager thread walks
 and plans the state (`deferred_plan`) before it reads it, and the guarded optimizer step waits
 for that as it waits for the reads. What the walk then finds unguarded that was not cloned in
 the call (a tensor new to the state) is cloned by the stager, after what training had queued at
