@@ -113,15 +113,16 @@ def to_clone(tensors: Sequence[torch.Tensor], guarded: Guarded, free_gpu: Any) -
     return unguarded, ""
 
 
-def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SavePlan | None, str]:
-    """(the plan with its unguarded tensors replaced by clones, "") or (None, why not): see `to_clone`."""
+def overlap_plan(plan: SavePlan, guarded: Guarded, free_gpu: Any) -> tuple[SavePlan | None, str, list[int]]:
+    """(the plan with its unguarded tensors replaced by clones, "", their positions) or (None, why
+    not, []): see `to_clone`."""
     unguarded, why = to_clone(plan.tensors, guarded, free_gpu)
     if unguarded is None:
-        return None, why
+        return None, why, []
     tensors: list[torch.Tensor] = list(plan.tensors)
     for i in unguarded:
         tensors[i] = tensors[i].clone()
-    return dataclasses.replace(plan, tensors=tuple(tensors)), ""
+    return dataclasses.replace(plan, tensors=tuple(tensors)), "", unguarded
 
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:

@@ -33,7 +33,6 @@ written, and its files are discarded.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import logging
 import queue
@@ -51,7 +50,7 @@ from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import ALIGNMENT, Manifest
 from tiered.handle import RankFiles, SaveHandle
-from tiered.overlap import Guard, Guarded, Learned, clone_after, deferred_plan, to_clone
+from tiered.overlap import Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, to_clone
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
@@ -324,21 +323,17 @@ class SavePipeline:
     def _overlapped(self, plan: SavePlan, learn: bool) -> SavePlan | None:
         """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly.
         `learn`: what it found is what the next save's call clones (`_learn`)."""
-        unguarded, why = to_clone(plan.tensors, Guarded(self._guards), _free_gpu)
-        if unguarded is None:
+        got, why, unguarded = overlap_plan(plan, Guarded(self._guards), _free_gpu)
+        if got is None:
             self._learned = None
             if not self._logged_strict:
                 self._logged_strict = True
                 log.warning("tiered: saves are staged strictly (save() waits for the GPU to read the state), not "
                             "overlapped with the next forward and backward: %s. Guard the optimizer that updates it, "
                             "or save it separately", why)
-            return None
-        if learn:
+        elif learn:
             self._learn(plan, unguarded)
-        tensors = list(plan.tensors)
-        for i in unguarded:
-            tensors[i] = tensors[i].clone()
-        return dataclasses.replace(plan, tensors=tuple(tensors))
+        return got
 
     def _learn(self, plan: SavePlan, unguarded: list[int] | None = None) -> None:
         """Keep what the next save's call needs to walk nothing (`tiered.overlap.Learned`); a state
