@@ -17,9 +17,10 @@ free. Side by side, one method after another on the same state and disk:
                for before the first save and reported (`pin_s`)
   tiered_overlap  the same engine with `engine.guard(optimizer)` for every optimizer: save()
                returns at once, the state is read beside the next forward and backward, and
-               the optimizer step waits for it (the engine is reserved again once guarded)
-  tiered_overlap_deferred  the same with `guard(optimizer, defer_walk=True)`: from the first save
-               on, save() walks nothing, the stager thread walks the state (session 32; in
+               the optimizer step waits for it
+  tiered_overlap_deferred  the same with `guard(optimizer, defer_walk=True)`, the engine reserved
+               again once guarded: from the first save on, save() walks nothing, the stager
+               thread walks the state (session 32; in
                runs 291-292 this was `tiered_overlap`, and run 293's `tiered_overlap_walk` is
                today's `tiered_overlap`)
   dcp_pinned   DCP async_save, one FileSystemWriter(cache_staged_state_dict=True) reused

@@ -91,7 +91,8 @@ def run_tiered(row: Row, run: Run, base: float) -> None:
 def run_tiered_overlap(row: Row, run: Run, base: float, defer_walk: bool = False) -> None:
     engine = tiered_engine(run)
     guards = [engine.guard(opt, defer_walk=defer_walk) for opt in run.optimizers]
-    engine.reserve(run.state)  # (again, guarded now, as a loop that guards at set-up and reserves after its first step)
+    if defer_walk:  # (reserved again, guarded now, as a loop that guards at set-up and reserves after its first step)
+        engine.reserve(run.state)
     try:
         _tiered_row(row, run, base, 200 if defer_walk else 100)
     finally:
