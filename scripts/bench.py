@@ -267,6 +267,13 @@ def profile_save(engine, state, device, step) -> None:
     pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(12)
 
 
+def _positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -283,7 +290,8 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=3, help="scale mode: saves per method (the first one cold)")
     ap.add_argument("--window-steps", type=int, default=6, help="scale mode: training steps per measured window")
     ap.add_argument("--methods", default="tiered,tiered_overlap,dcp_pinned,dcp_stager,torch_save",
-                    help="scale mode: which rows, in order; a tiered row may pin its codec: tiered_overlap:none")
+                    help="scale mode: which rows, in order; a tiered row may pin its codec (tiered_overlap:none); "
+                         "ROW@MS runs a row with Python's switch interval at MS ms (sys.setswitchinterval)")
     ap.add_argument("--gil-watch", action="store_true",
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                          "and where the engine's threads were then (scripts/gil_watch.py; it costs a little GIL)")
@@ -309,6 +317,12 @@ def main() -> int:
                          "(default ans on a GPU, zstd on a CPU); none: the GPU never decodes for the migrator")
     ap.add_argument("--migration-modes", default="process,in_process,daemon", help="standard mode: migration modes")
     args = ap.parse_args()
+    if args.scale:
+        from scale_methods import METHODS
+        for name in args.methods.split(","):  # (checked before the model trains)
+            spec, _, interval = name.partition("@")
+            if spec.partition(":")[0] not in METHODS or interval and not _positive_float(interval):
+                ap.error(f"--methods: {name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC and @MS")
     dev = args.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the scale mode, every rank one GPU
         if not args.scale:

@@ -69,6 +69,7 @@ and scripts/scale_methods.py (one function a row); this module runs one size and
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -128,18 +129,25 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     rows = []
     try:
         for k, name in enumerate(methods):
-            base_name, _, row_codec = name.partition(":")  # (tiered_overlap:none: that row's codec pinned)
+            spec, _, interval = name.partition("@")  # (tiered_overlap@0.1: Python's switch interval, ms, in the row)
+            base_name, _, row_codec = spec.partition(":")  # (tiered_overlap:none: that row's codec pinned)
             fn, note = METHODS[base_name]
             run.codec = row_codec or codec
-            row = Row(name, note + (f"; codec: {row_codec}" if row_codec else ""))
+            row = Row(name, note + (f"; codec: {row_codec}" if row_codec else "")
+                      + (f"; sys.setswitchinterval({float(interval)} ms) for the row" if interval else ""))
+            old_interval = sys.getswitchinterval()
             try:
                 if name.startswith("tiered"):
                     tiered_engine(run)  # made, and its memory pinned, before the baseline windows
+                if interval:
+                    sys.setswitchinterval(float(interval) / 1e3)
                 fn(row, run, window.baseline())
             except Exception as exc:  # noqa: BLE001 - reported as the row's result (with the saves it made), honestly
                 row.error = f"{type(exc).__name__}: {exc}"[:400]
                 say(f"#   {name} FAILED: {row.error}")
                 shutil.rmtree(root / name, ignore_errors=True)
+            finally:
+                sys.setswitchinterval(old_interval)
             rows.append(combine(gather(row.summary())))
             out["rows"] = rows
             progress(out)
