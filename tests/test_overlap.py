@@ -386,14 +386,18 @@ def test_reserve_after_guard_lets_the_first_save_skip_its_walk_and_a_new_guard_w
 
 
 def test_a_guard_keeps_the_walk_in_the_call_unless_asked_to_defer_it(tier_config, monkeypatch):
-    """`guard(optimizer)`: every save's call walks its state (its values are read then), as long
-    as that guard stands, and nothing is kept for deferred saves; once it gives way to one with
-    `defer_walk=True`, the next save learns the state in its call and the ones after walk nothing."""
+    """`guard(optimizer, defer_walk=False)`: every save's call walks its state (its values are
+    read then), however long the walk takes, as long as that guard stands, and nothing is kept for
+    deferred saves; once it gives way to one with `defer_walk=True`, the next save learns the
+    state in its call and the ones after walk nothing."""
+    from tiered import save as save_module
+
+    monkeypatch.setattr(save_module, "DEFER_AFTER_MS", 0.0)  # (every walk is long enough to defer)
     model, opt = trained_model("cpu", steps=1)
     walks = _HeldWalk(monkeypatch)
     walks.release()
     with tiered.Engine.from_config(tier_config()) as engine:
-        guard = engine.guard(opt)
+        guard = engine.guard(opt, defer_walk=False)
         engine.reserve(_state(model, opt))
         for step in (1, 2, 3):
             engine.save(step, _state(model, opt)).wait()
@@ -403,6 +407,34 @@ def test_a_guard_keeps_the_walk_in_the_call_unless_asked_to_defer_it(tier_config
         for step in (4, 5):
             engine.save(step, _state(model, opt)).wait()
         assert walks.threads[4:] == ["MainThread", "tiered-stager"]
+
+
+@pytest.mark.parametrize("walk_ms", [0.0, 1e9])
+def test_by_default_a_guarded_save_defers_the_walk_once_a_call_has_taken_long_to_walk(tier_config, monkeypatch,
+                                                                                       caplog, walk_ms):
+    """`guard(optimizer)`: a call's walk and plan that took `DEFER_AFTER_MS` (a large state) makes
+    the next saves walk on the stager thread, said once in the log; a shorter one keeps the walk
+    in the call. `reserve` decides nothing: the first save's call walks."""
+    from tiered import save as save_module
+
+    monkeypatch.setattr(save_module, "DEFER_AFTER_MS", walk_ms)
+    model, opt = trained_model("cpu", steps=1)
+    walks = _HeldWalk(monkeypatch)
+    walks.release()
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)
+        engine.reserve(_state(model, opt))
+        want = _copy(_state(model, opt))
+        for step in (1, 2, 3):
+            engine.save(step, _state(model, opt)).wait()
+        walked = list(walks.threads)
+        assert all(_equal(engine.load(step), want) for step in (1, 2, 3))
+    deferred = [r.getMessage() for r in caplog.records if "from the next save on, the stager thread" in r.getMessage()]
+    if walk_ms == 0.0:
+        assert walked == ["MainThread"] * 2 + ["tiered-stager"] * 2
+        assert len(deferred) == 1 and "tensors) in" in deferred[0]
+    else:
+        assert walked == ["MainThread"] * 4 and not deferred
 
 
 def test_new_tensors_too_large_to_clone_are_read_as_they_are_and_the_next_save_is_strict(tier_config, monkeypatch,

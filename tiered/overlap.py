@@ -9,8 +9,9 @@ updated by hand) is not guarded: it is cloned in the caller's stream when `save(
 and saved from the clone. Where that would copy much (more than `CLONE_LIMIT`, or a quarter
 of the GPU memory free), the save is staged strictly instead, and the log says why once.
 
-With `Engine.guard(optimizer, defer_walk=True)` (on every guard), once a guarded save has been
-planned (or `Engine.reserve` has planned the state under a guard), the next `save()` walks
+Once a guarded save's call has walked and planned a large state (`tiered.save.DEFER_AFTER_MS`;
+with `Engine.guard(optimizer, defer_walk=True)` on every guard, once a guarded save has been
+planned, or `Engine.reserve` has planned the state under a guard), the next `save()` walks
 nothing: it clones what the last save found unguarded (`Learned`, by the memory it lies in),
 records where training's streams are, and returns; the stager thread walks
 and plans the state (`deferred_plan`) before it reads it, and the guarded optimizer step waits
@@ -18,9 +19,10 @@ for that as it waits for the reads. What the walk then finds unguarded that was 
 the call (a tensor new to the state) is cloned by the stager, after what training had queued at
 the call: a tensor the next forward writes (a new BatchNorm's statistics) may then hold a later
 value in that one save, which the log says. Values that are not tensors are read by the stager
-too, before the optimizer step. It is not the default: a walk on the stager thread shares the
-GIL with the training thread launching the next step, and where launching bounds the step it
-saved nothing in the runs so far (docs/benchmarks.md, session 32; scripts/gil_share_probe.py).
+too, before the optimizer step. A small state's walk stays in the call: on the stager thread
+it shares the GIL with the training thread launching the next step, and where launching bounds
+the step that saved nothing (docs/benchmarks.md, session 32; scripts/gil_share_probe.py);
+`defer_walk=False` keeps every walk in the call.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ import queue
 import shutil
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Sequence
 
 import torch
@@ -55,12 +54,20 @@ from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
 from tiered.runtime import Workers
-from tiered.save_write import END, Abort, Job, drain, write_rank
+from tiered.save_write import END, Abort, Job, complete_after, drain, settle, write_rank
 from tiered.units import format_size
 from tiered.version import __version__
 from tiered.watch import Watch
 
 log = logging.getLogger("tiered")
+
+DEFER_AFTER_MS = 10.0
+"""A guarded save whose call walked and planned its state for this long makes the next saves
+walk on the stager thread (`guard` without `defer_walk`). On one H200 a 24 GB state's walk
+(7,880 tensors, 22-49 ms in the call) cost training more in the call than on that thread;
+a 2.4 GB state's (788 tensors, 4.9 ms) less (docs/benchmarks.md, sessions 32 and 33)."""
+
+
 class SavePipeline:
     """The save side of one Engine: staging in the caller's thread, one writer thread behind it.
 
@@ -94,10 +101,13 @@ class SavePipeline:
         """Overlapped saves that no guarded optimizer step has waited for yet."""
         self._logged_strict = False
         self._walk_in_call: list[Any] = []
-        """Guarded optimizers whose saves walk their state in save() (`guard` without `defer_walk`)."""
+        """Guarded optimizers whose saves walk their state in save() (`guard(defer_walk=False)`)."""
+        self._walk_auto: list[Any] = []
+        """Guarded optimizers that leave it to the walk's cost (`guard` without `defer_walk`: `DEFER_AFTER_MS`)."""
         self._learned: Learned | None = None
         """What the last guarded save learned of its state: the next one's call walks nothing."""
         self._logged_new = False
+        self._logged_defer = False
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
@@ -107,13 +117,16 @@ class SavePipeline:
         self._watch = Watch(self._steps_in_flight, lambda: self.progress)
 
     # --- overlapping saves with the next forward and backward ------------------------------------
-    def guard(self, optimizer: Any, defer_walk: bool = False) -> Guard:
+    def guard(self, optimizer: Any, defer_walk: bool | None = None) -> Guard:
         """From now on `save()` returns before the state has been read, and `optimizer.step()`
         waits until it has (tiered.overlap says what is guarded and what is cloned instead).
-        `defer_walk`: the stager thread walks the state, not the call, once a save has seen it,
-        where every guard standing asks for it."""
+        `defer_walk`: the stager thread walks the state, not the call, once a save has seen it:
+        True, always; None, once a save's walk in its call took `DEFER_AFTER_MS`; False, never.
+        A guard standing with False keeps the walk in the call; one with None keeps the rule."""
         self._guards.append(optimizer)
-        if not defer_walk:
+        if defer_walk is None:
+            self._walk_auto.append(optimizer)
+        elif not defer_walk:
             self._walk_in_call.append(optimizer)
         if self._stager is None:
             self._stager = threads.start(self._stager_loop, name="tiered-stager")
@@ -121,7 +134,7 @@ class SavePipeline:
                      self.order_updates, self._unguard)
 
     def _unguard(self, optimizer: Any) -> None:
-        for kept in (self._guards, self._walk_in_call):
+        for kept in (self._guards, self._walk_in_call, self._walk_auto):
             if optimizer in kept:
                 kept.remove(optimizer)
 
@@ -168,7 +181,7 @@ class SavePipeline:
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
             self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
-        if self._guards and not rank_only and not self._walk_in_call:  # (the first save's call walks nothing either)
+        if self._guards and not rank_only and not self._walk_in_call and not self._walk_auto:  # (nor the first call)
             self._learn(made)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
@@ -291,7 +304,7 @@ class SavePipeline:
         handle.timings.update(plan_ms=1e3 * (t3 - t0), flatten_ms=1e3 * (t1 - t0), begin_ms=1e3 * (t2 - t1))
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
-        learn = not rank_only and tier is self.tier and not self._walk_in_call  # (for deferred saves only)
+        learn = not rank_only and tier is self.tier and not self._walk_in_call and self._defers(t1 - t0 + t3 - t2, len(leaves))
         overlapped = self._overlapped(plan, learn) if self._guards else None
         job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
@@ -319,6 +332,20 @@ class SavePipeline:
         codec = self.config.tiers[1].codec  # (through host memory, in a codec every machine decodes)
         return make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
                          gpu_codecs=False)
+
+    def _defers(self, walked_s: float, tensors: int) -> bool:
+        """Whether the next saves walk on the stager thread, a save's walk and plan in its call
+        having taken `walked_s` (for deferred saves only)."""
+        if not self._walk_auto:
+            return True  # (every guard asked for it)
+        if 1e3 * walked_s < DEFER_AFTER_MS:
+            return False
+        if not self._logged_defer:
+            self._logged_defer = True
+            log.info("tiered: save() walked and planned the state (%d tensors) in %.1f ms: from the next save on, the "
+                     "stager thread does, before the optimizer step (guard(optimizer, defer_walk=False) keeps it in "
+                     "save())", tensors, 1e3 * walked_s)
+        return True
 
     def _overlapped(self, plan: SavePlan, learn: bool) -> SavePlan | None:
         """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly.
@@ -448,10 +475,10 @@ class SavePipeline:
         job.segments.put(END)
         job.go.set()
         if events:  # the GPU reads the tensors until these events: hold them until then
-            threads.start(_complete_after, events, handle.staged, job.drop_tensors, name="tiered-staged")
+            threads.start(complete_after, events, handle.staged, job.drop_tensors, name="tiered-staged")
         else:
             job.drop_tensors()  # copied: the state may go
-            _settle(handle.staged, job.step)
+            settle(handle.staged, job.step)
 
     def wait(self) -> None:
         """Wait for every in-flight save to be persisted; raise the first background failure."""
@@ -522,7 +549,7 @@ class SavePipeline:
                 if not job.aborted:  # an aborted save() already raised its own error
                     self._error = self._error or err
                 self._inflight.pop(job.step, None)
-            _settle(job.handle.staged, exc=err)
+            settle(job.handle.staged, exc=err)
             job.handle.persisted.set_exception(err)
             return
         job.drop_tensors()
@@ -550,17 +577,6 @@ class SavePipeline:
                  1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.io)
         return manifest
 
-def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
-    """Resolve `fut` unless already resolved (save() and the writer race to settle `staged`)."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:
-        pass
-
-
 def _free_gpu(index: int) -> int:
     return torch.cuda.mem_get_info(index)[0]
 
@@ -570,16 +586,3 @@ def _recorded(index: int) -> Any:
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(index))
     return ev
-
-
-def _complete_after(events: Sequence[Any], fut: Future, then: Callable[[], None]) -> None:
-    """Resolve `fut` once every event has completed, then call `then` (which lets the state go)."""
-    try:
-        for ev in events:
-            ev.synchronize()
-        _settle(fut, True)
-    except BaseException as exc:  # noqa: BLE001
-        _settle(fut, exc=exc)
-    finally:
-        then()
-

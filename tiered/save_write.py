@@ -2,7 +2,8 @@
 thread) to the pipeline's writer thread through its queue of staged segments, and one rank's
 files written from those segments (`write_rank`): the data file, chunk by chunk at aligned
 offsets, then the rank's index. tiered.save runs it on its writer thread; a failure empties
-the job's segments (`drain`), so the staging side never waits for pages forever.
+the job's segments (`drain`), so the staging side never waits for pages forever. And how a
+save's `staged` future is settled (`settle`, `complete_after`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import queue
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -164,3 +166,26 @@ def drain(job: Job) -> None:
             job.staging_over = True
         else:
             seg.release()
+
+
+def settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve `fut` unless already resolved (save() and the writer race to settle `staged`)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def complete_after(events: Sequence[Any], fut: Future, then: Callable[[], None]) -> None:
+    """Resolve `fut` once every event has completed, then call `then` (which lets the state go)."""
+    try:
+        for ev in events:
+            ev.synchronize()
+        settle(fut, True)
+    except BaseException as exc:  # noqa: BLE001
+        settle(fut, exc=exc)
+    finally:
+        then()
