@@ -9,9 +9,10 @@ Prints the medians (after 5 warm-up iterations, collector paused, as in a save) 
 the state (`tree.flatten`), the cached plan's key and reuse (`PlanCache.plan`), the storages the
 optimizers guard (`overlap.Guarded`) and the search for the rest (`overlap.overlap_plan`).
 With `--engine DIR`, it times whole guarded `Engine.save` calls instead (a local tier under DIR,
-codec none), alternating blocks of saves whose call walks the state (the default) and saves
-whose stager thread does (`guard(defer_walk=True)`), with the optimizer step after each save that
-waits for it; it prints the median call of each. To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
+codec none), blocks of five saves in turn: the call walks the state (`guard(defer_walk=False)`),
+the default (`guard(optimizer)`: the call walks until a walk has taken 10 ms), and the stager
+thread walks it (`defer_walk=True`), with the optimizer step after each save that waits for it;
+it prints the median call of each (the first save of a block is not counted). To compare two versions, run it with each first on PYTHONPATH, alternately, pinned to one core
 (`taskset -c 3`): the host's speed moves from one process to the next (docs/benchmarks.md,
 session 14).
 """
@@ -104,11 +105,12 @@ def main() -> None:
 def engine_calls(reps: list, root: str, iterations: int) -> None:
     """Guarded saves of the replicas' state, blocks of five walking in the call and five not."""
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": root, "codec": "none"}]}
-    calls: dict[bool, list[float]] = {False: [], True: []}
+    modes = (False, None, True)  # defer_walk: never (walk in the call), the default, always
+    calls: dict[bool | None, list[float]] = {m: [] for m in modes}
     step = 0
     with tiered.Engine.from_config(cfg) as engine:
-        for block in range(2 * max(1, iterations // 10)):
-            defer = bool(block % 2)
+        for block in range(3 * max(1, iterations // 10)):
+            defer = modes[block % 3]
             guards = [engine.guard(o, defer_walk=defer) for _, o in reps]
             state = {f"r{i}": {"model": m.state_dict(), "optim": o.state_dict()} for i, (m, o) in enumerate(reps)}
             engine.reserve(state)
@@ -128,7 +130,8 @@ def engine_calls(reps: list, root: str, iterations: int) -> None:
                 g.remove()
     n = len(tree.flatten(state, share=True)[1])
     print(f"{n} tensors, guarded Engine.save call: walk in the call {statistics.median(calls[False]):.2f} ms, "
-          f"deferred walk {statistics.median(calls[True]):.2f} ms (medians of {len(calls[True])} each)", flush=True)
+          f"the default {statistics.median(calls[None]):.2f} ms, deferred walk {statistics.median(calls[True]):.2f} "
+          f"ms (medians of {len(calls[True])} each)", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ free. Side by side, one method after another on the same state and disk:
                for before the first save and reported (`pin_s`)
   tiered_overlap  the same engine with `engine.guard(optimizer)` for every optimizer: save()
                returns at once, the state is read beside the next forward and backward, and
-               the optimizer step waits for it
+               the optimizer step waits for it; once a call's walk of the state took 10 ms,
+               the stager thread walks it (since session 33; before, every call walked it)
   tiered_overlap_deferred  the same with `guard(optimizer, defer_walk=True)`, the engine reserved
                again once guarded: from the first save on, save() walks nothing, the stager
-               thread walks the state (session 32; in
-               runs 291-292 this was `tiered_overlap`, and run 293's `tiered_overlap_walk` is
-               today's `tiered_overlap`)
+               thread walks the state (session 32; in runs 291-292 this was `tiered_overlap`)
+  tiered_overlap_walk  the same with `guard(optimizer, defer_walk=False)`: every call walks the
+               state (runs 293 and before: `tiered_overlap`)
   dcp_pinned   DCP async_save, one FileSystemWriter(cache_staged_state_dict=True) reused
                (TorchTitan's pinned-memory mode; the copy to host happens inside the call)
   dcp_stager   DCP async_save with DefaultStager(StagingOptions(use_async_staging=True)):
