@@ -386,6 +386,7 @@ def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds
         for r, step in enumerate(steps):
             for name, fn in in_turn(r, ("up", tiered_up), ("boto3_up", boto3_up)):
                 evict(data(step))  # both read the file from the disk, as a migration of a fresh step does
+                os.sync()  # (what the last transfer left to write back, the server's writes too, is not this one's)
                 cpu0, t0 = _client_cpu(), time.perf_counter()
                 fn(step)
                 times[name].append(time.perf_counter() - t0)
@@ -411,6 +412,7 @@ def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds
 
         for r, step in enumerate(steps):
             for name, fn in in_turn(r, ("down", tiered_down), ("boto3_down_fsync", boto3_down)):
+                os.sync()  # (the warm-up's download is not fsync'd: its write-back is no round's)
                 t0 = time.perf_counter()
                 fn(step)
                 times[name].append(time.perf_counter() - t0)

@@ -11,7 +11,8 @@ local tier (verified, O_DIRECT, fsync'd) against boto3 `download_file` (and with
 it: tiered's copy is durable when it returns). `--rounds` pairs per trial, each of its own step,
 the order within a pair swapped from one round to the next (on the 2-core CPU machine whichever
 went second in a pair ran faster); each row gives the medians and every pair's ratio. The source
-file is dropped from the page cache before each upload. A fresh server per trial. After each
+file is dropped from the page cache before each upload, and the disk synced (`os.sync`, untimed)
+before every timed transfer: none pays for write-back that an earlier one left behind. A fresh server per trial. After each
 row, what each upload cost this process's CPU (user and system time, page faults), as an HTML
 comment: on a small machine the server shares the cores, so a client's CPU is the upload's
 speed. Needs boto3 and SeaweedFS's `weed` (the test extra). No timing is asserted;
