@@ -637,6 +637,36 @@ def test_a_migrator_keeps_its_read_windows_from_one_step_to_the_next(tmp_path):
     assert_same(target, state)
 
 
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_chunk_stored_as_it_is_is_re_encoded_from_the_bytes_read_and_its_size_checked(tmp_path, codec):
+    """`tiered.cpu.decoded`: a `none` chunk's raw bytes are the verified bytes read, handed on
+    with no decode and no copy (a recompression to zstd encodes from them); another codec's are
+    decoded into new memory. A stored size that is not the raw size is a damaged chunk, named."""
+    import dataclasses
+
+    from tiered.codecs import get_codec
+    from tiered.config import ZstdSettings
+    from tiered.cpu import decoded
+    from tiered.format import read_manifest, read_rank_index
+
+    w = torch.randn(3000, generator=torch.Generator().manual_seed(2))
+    with tiered.Engine.from_config(cluster(tmp_path, codec)) as engine:
+        engine.save(1, {"w": w}).wait()
+        nvme = engine.get_tier("nvme")
+        manifest = read_manifest(nvme, 1)
+        (rec,) = read_rank_index(nvme, 1, manifest.ranks[0]).tensors
+    c = rec.chunks[0]
+    data = (tmp_path / "nvme" / "step_000000000001" / manifest.ranks[0].data_file).read_bytes()
+    stored = memoryview(data)[c.offset:c.offset + c.size]
+    got = decoded(get_codec(rec.codec, ZstdSettings()), rec, 0, stored, "the data file")
+    assert bytes(got) == w.numpy().tobytes()
+    assert (got is stored) == (codec == "none")
+    if codec == "none":
+        short = dataclasses.replace(rec, chunks=[c._replace(raw_size=c.raw_size + 4)])
+        with pytest.raises(tiered.CorruptionError, match="the data file: tensor 'w' chunk 0 of 1"):
+            decoded(get_codec(rec.codec, ZstdSettings()), short, 0, stored, "the data file")
+
+
 def test_recompression_hands_the_pool_runs_of_small_chunks_and_still_names_a_damaged_one(tmp_path, monkeypatch):
     """none -> zstd of many small tensors: the chunks go to the pool in runs of about
     RECOMPRESS_GROUP_BYTES (one task each, not one per chunk), come back in order (the copy

@@ -22,7 +22,7 @@ import torch
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
 from tiered.checksum import wsum64
-from tiered.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decode_into, read_chunk, verified
+from tiered.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decoded, read_chunk, verified
 from tiered.errors import CodecUnavailableError
 from tiered.format import ALIGNMENT, ChunkTable, CodecSpec, RankIndex, TensorRecord
 from tiered.units import round_up
@@ -220,9 +220,8 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
         rec, j = ref
         if spec_of[rec.index] == rec.codec:
             return stored, len(stored), rec.chunks[j].checksum  # copied by _Batches.add before `data` is reused
-        raw = np.empty(rec.chunks[j].raw_size, dtype=np.uint8)
-        decode_into(get_codec(rec.codec, settings), rec, j, stored, memoryview(raw), reader.path)
-        out = get_codec(spec_of[rec.index], settings).encode_chunk(memoryview(raw))
+        raw = decoded(get_codec(rec.codec, settings), rec, j, stored, reader.path)  # (none: `stored`, no copy)
+        out = get_codec(spec_of[rec.index], settings).encode_chunk(raw)
         return out, len(out), None  # (its checksum: on the copying thread, `_results`, while the pool encodes on)
 
     def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> None:

@@ -293,6 +293,19 @@ def decode_into(codec, rec: TensorRecord, j: int, stored: memoryview, out: memor
         raise chunk_corruption(path, rec, j, f"{rec.codec.name} decode failed: {exc}") from None
 
 
+def decoded(codec, rec: TensorRecord, j: int, stored: memoryview, path: str) -> memoryview:
+    """Chunk j's raw bytes, to be read only: `stored` itself where the codec stores them as they
+    are (`Codec.stores_raw`: no copy), else decoded into a new array (`decode_into`)."""
+    raw_size = rec.chunks[j].raw_size
+    if codec.stores_raw:
+        if len(stored) != raw_size:
+            raise chunk_corruption(path, rec, j, f"{rec.codec.name}: {len(stored)} bytes stored, {raw_size} expected")
+        return stored
+    raw = memoryview(np.empty(raw_size, dtype=np.uint8))
+    decode_into(codec, rec, j, stored, raw, path)
+    return raw
+
+
 def read_chunk(rec: TensorRecord, j: int, reader, settings: ZstdSettings) -> np.ndarray:
     """Chunk j of `rec`: one ranged read, checksum verified, decoded on the CPU into a new array."""
     c = rec.chunks[j]

@@ -46,6 +46,9 @@ class Codec:
     reads_in_place: ClassVar[bool] = False
     """`encode_batch` reads chunks from any buffer nvCOMP takes (its `src` need not be a tensor),
     and `pack` is a plain copy: a save encodes a contiguous tensor from its own memory."""
+    stores_raw: ClassVar[bool] = False
+    """A chunk's stored bytes are its raw bytes (`none`): a CPU reader that only reads them (a
+    migration re-encoding them) takes them as they are, with no decode and no copy."""
 
     def __init__(self, spec: CodecSpec, settings: ZstdSettings):
         check_codec_spec(spec)  # the values the format allows (tiered.format.CODEC_PARAMETERS)

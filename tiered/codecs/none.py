@@ -15,6 +15,7 @@ class NoneCodec(Codec):
     name = "none"
     cpu_capable = True
     gpu_capable = True
+    stores_raw = True
 
     @classmethod
     def spec_for(cls, dtype: torch.dtype) -> CodecSpec:
