@@ -294,7 +294,8 @@ def main() -> int:
                          "ROW@MS runs a row with Python's switch interval at MS ms (sys.setswitchinterval)")
     ap.add_argument("--gil-watch", action="store_true",
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
-                         "and where the engine's threads were then (scripts/gil_watch.py; it costs a little GIL)")
+                         "and where the engine's threads were then, and where the training thread was in the "
+                         "window's first 100 ms (scripts/gil_watch.py; it costs a little GIL)")
     ap.add_argument("--trace", nargs="?", const="summary", default=None, metavar="PREFIX",
                     help="scale mode: one more save per row, after the measured ones, its window profiled "
                          "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "

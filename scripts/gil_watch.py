@@ -15,6 +15,14 @@ C call that releases the GIL but is not a wait by name: on a GPU host (run 215) 
 were `tiered-write_N` threads in `_pwrite_all`, writing to the disk; read the places as where
 to look, not as the holder.
 
+It also samples, at every wake-up in the span's first `main_ms`, where the thread that entered
+it (the training thread) was, late or not: a thread inside a C call that lets the GIL go (a
+torch operator launching a kernel) shows at the Python line that made the call, so many
+samples on one line while the watcher was on time mean that thread stood in that call, waiting
+for something other than the GIL (a lock of the CUDA driver or of an allocator, a full launch
+queue). A save's overlapped step began its first kernel 44-58 ms after the call in a trace (GPU
+run 295): these samples say where the training thread was meanwhile.
+
 scripts/scale.py records it per save with ``bench.py --scale ... --gil-watch``: it costs a wake-up
 and a few microseconds of the GIL per `period`, so it is off by default.
 """
@@ -56,19 +64,28 @@ class GilWaits:
     """`with GilWaits() as gil: ...`; then `gil.ms` (the sum of the late wake-ups), `gil.max_ms`,
     `gil.count`, and `gil.where` (a Counter of ``thread: place`` over those wake-ups)."""
 
-    def __init__(self, period: float = 1e-3, long_ms: float = 5.0):
-        self.period, self.long_ms = period, long_ms
+    def __init__(self, period: float = 1e-3, long_ms: float = 5.0, main_ms: float = 100.0):
+        self.period, self.long_ms, self.main_ms = period, long_ms, main_ms
         self.late: list[float] = []
         self.where: Counter = Counter()
+        self.main_where: Counter = Counter()
+        """Where the thread that entered the span was at each wake-up of its first `main_ms` (with
+        ``(late)`` where that wake-up was `long_ms` or more late)."""
+        self._main: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gil-watch", daemon=True)
 
     def _run(self) -> None:
         period, long_ms = self.period, self.long_ms
+        until = time.perf_counter() + self.main_ms / 1e3
         while not self._stop.is_set():
             t = time.perf_counter()
             time.sleep(period)
             late = 1e3 * (time.perf_counter() - t - period)
+            if t < until:
+                frame = sys._current_frames().get(self._main)
+                if frame is not None:
+                    self.main_where[_place(frame) + (" (late)" if late >= long_ms else "")] += 1
             if late < long_ms:
                 continue
             self.late.append(late)
@@ -81,6 +98,7 @@ class GilWaits:
                         self.where[f"{th.name}: {place}"] += 1
 
     def __enter__(self) -> "GilWaits":
+        self._main = threading.get_ident()
         self._thread.start()
         return self
 
@@ -103,4 +121,6 @@ class GilWaits:
     def summary(self, top: int = 5) -> dict:
         """What a save's record keeps: the sums, and the `top` places engine threads were."""
         return {"gil_late_ms": self.ms, "gil_late_max_ms": self.max_ms, "gil_late_count": self.count,
-                "gil_where": [f"{n}x {place}" for place, n in self.where.most_common(top)]}
+                "gil_where": [f"{n}x {place}" for place, n in self.where.most_common(top)],
+                "main_first_ms": self.main_ms,
+                "main_where": [f"{n}x {place}" for place, n in self.main_where.most_common(top)]}

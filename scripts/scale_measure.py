@@ -392,8 +392,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
                    if full.runs else "") + (f", until durable {whole.ms} ms ({whole.engine_ms} on the engine's threads)"
                                             if whole.runs else "")
         where = ", ".join(gil.summary(3)["gil_where"]) if run.gil_watch else ""
-        gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}{'; ' + where if where else ''})" \
-            if run.gil_watch else ""
+        gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}{'; ' + where if where else ''}); the training " \
+            f"thread in the first {gil.main_ms:g} ms: {', '.join(gil.summary(4)['main_where'])}" if run.gil_watch else ""
         say(f"#   {row.name} save {k + 1}{' (traced, not counted)' if traced else ''}: stall {rec['stall_ms']} ms "
             f"(call {rec['call_ms']} ms), durable {round(done - t_call[0], 2)} s{gc_note}{gil_note}")
         if traced:

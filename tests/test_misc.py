@@ -879,6 +879,31 @@ def test_the_bench_finds_where_the_engines_threads_held_the_gil():
     assert not any("tiered-stager" in w for w in got["gil_where"]), got
 
 
+def test_the_bench_samples_where_the_training_thread_stood_in_a_call_that_let_the_gil_go():
+    """scripts/gil_watch.py: in the span's first `main_ms`, every wake-up notes where the thread
+    that entered the span was, late or not: a thread that stood 60 ms in a C call that lets the
+    GIL go (here a sleep, on a GPU host a kernel launch waiting on a lock) shows at that line, on
+    time; what it did after `main_ms` is not sampled."""
+    import time
+
+    gil_watch = _script("gil_watch")
+
+    def stands_in_a_call() -> None:
+        time.sleep(0.06)
+
+    def after() -> None:
+        time.sleep(0.1)
+
+    with gil_watch.GilWaits(main_ms=50.0) as gil:
+        stands_in_a_call()
+        after()
+    got = gil.summary()
+    (top, n), = gil.main_where.most_common(1)
+    assert "stands_in_a_call" in top and "(late)" not in top and n >= 20, got["main_where"]
+    assert not any("after" in w for w in gil.main_where), got["main_where"]
+    assert got["main_first_ms"] == 50.0 and got["main_where"][0].endswith(top)
+
+
 def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves_work():
     """scripts/gpu_timeline.py (`bench.py --scale ... --trace`): the busiest stream is training's,
     each of its operations in the step that launched it (by correlation id), giving each step's
