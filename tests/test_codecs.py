@@ -131,6 +131,16 @@ def test_zstd_frames_are_standard():
     assert zstandard.ZstdDecompressor().decompress(frame) == raw
 
 
+def test_zstd_shuffles_by_the_element_size_of_every_stored_dtype():
+    """The zstd description's byte shuffle is the dtype's element size (as the format has always
+    written it), for every dtype the format stores; asked per tensor, it makes no tensor."""
+    from tiered.format import DTYPES
+
+    for name, dtype in DTYPES.items():
+        assert get_codec_class("zstd").spec_for(dtype).params["shuffle"] == \
+            torch.empty((), dtype=dtype).element_size(), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_zstd_cpu_and_gpu_read_each_others_frames(dtype):

@@ -10,6 +10,7 @@ rank's new index and its JSON. The GPU side of migration (`GpuRecoder`) is tiere
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import threading
 from collections import deque
@@ -24,7 +25,7 @@ from tiered.config import ZstdSettings
 from tiered.checksum import wsum64
 from tiered.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decoded, read_chunk, verified
 from tiered.errors import CodecUnavailableError
-from tiered.format import ALIGNMENT, ChunkTable, CodecSpec, RankIndex, TensorRecord
+from tiered.format import ALIGNMENT, DTYPES, ChunkTable, CodecSpec, RankIndex, TensorRecord
 from tiered.units import round_up
 
 if TYPE_CHECKING:
@@ -36,7 +37,14 @@ def target_spec(rec: TensorRecord, codec: str | None) -> CodecSpec:
     else the tier's codec."""
     if codec is None or rec.codec.name == codec:
         return rec.codec
-    return get_codec_class(codec).spec_for(rec.torch_dtype)
+    return _spec_for(codec, rec.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_for(codec: str, dtype: str) -> CodecSpec:
+    """`codec`'s description for tensors of `dtype` (a format name): asked per tensor of a step
+    recompressed, of a few dtypes."""
+    return get_codec_class(codec).spec_for(DTYPES[dtype])
 
 
 class Prefetched:

@@ -57,7 +57,7 @@ class ZstdCodec(Codec):
 
     @classmethod
     def spec_for(cls, dtype: torch.dtype) -> CodecSpec:
-        return CodecSpec.of("zstd", shuffle=torch.empty((), dtype=dtype).element_size())
+        return CodecSpec.of("zstd", shuffle=dtype.itemsize)  # (no tensor made: this runs per tensor planned)
 
     # --- CPU: zstandard; compressor objects are per thread (they are not thread-safe) ----
     def _cctx(self) -> zstandard.ZstdCompressor:
