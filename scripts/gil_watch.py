@@ -21,7 +21,8 @@ torch operator launching a kernel) shows at the Python line that made the call, 
 samples on one line while the watcher was on time mean that thread stood in that call, waiting
 for something other than the GIL (a lock of the CUDA driver or of an allocator, a full launch
 queue). A save's overlapped step began its first kernel 44-58 ms after the call in a trace (GPU
-run 295): these samples say where the training thread was meanwhile.
+run 295, under the profiler, which costs time of its own): these samples, taken without it, say
+where the training thread was meanwhile.
 
 scripts/scale.py records it per save with ``bench.py --scale ... --gil-watch``: it costs a wake-up
 and a few microseconds of the GIL per `period`, so it is off by default.
