@@ -108,8 +108,6 @@ class SavePipeline:
         """What the last guarded save learned of its state: the next one's call walks nothing."""
         self._logged_new = False
         self._logged_defer = False
-        self._walked_ms = 0.0
-        """The last call's walk and plan of its state (`_defers`)."""
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
@@ -306,8 +304,15 @@ class SavePipeline:
         handle.timings.update(plan_ms=1e3 * (t3 - t0), flatten_ms=1e3 * (t1 - t0), begin_ms=1e3 * (t2 - t1))
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
-        learn = not rank_only and tier is self.tier and not self._walk_in_call and self._defers(t1 - t0 + t3 - t2)
+        walked_ms = 1e3 * (t1 - t0 + t3 - t2)  # (the walk and the plan, not the tier's step made between them)
+        learn = not rank_only and tier is self.tier and not self._walk_in_call and \
+            (not self._walk_auto or walked_ms >= DEFER_AFTER_MS)  # (for deferred saves only)
         overlapped = self._overlapped(plan, learn) if self._guards else None
+        if learn and self._walk_auto and self._learned is not None and not self._logged_defer:
+            self._logged_defer = True
+            log.info("tiered: save() walked and planned the state (%d tensors) in %.1f ms: from the next save on, the "
+                     "stager thread does, before the optimizer step (guard(optimizer, defer_walk=False) keeps it in "
+                     "save())", len(plan.tensors), walked_ms)
         job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
         with self._lock:
@@ -335,12 +340,6 @@ class SavePipeline:
         return make_plan(leaves, codec if codec in CPU_DECODABLE_CODECS else "zstd", self.config.chunk_size,
                          gpu_codecs=False)
 
-    def _defers(self, walked_s: float) -> bool:
-        """Whether the next saves walk on the stager thread, a save's walk and plan in its call
-        having taken `walked_s` (for deferred saves only)."""
-        self._walked_ms = 1e3 * walked_s  # (no guard left to the rule: every one asked to defer)
-        return not self._walk_auto or self._walked_ms >= DEFER_AFTER_MS
-
     def _overlapped(self, plan: SavePlan, learn: bool) -> SavePlan | None:
         """The plan an overlapped save stages (unguarded tensors cloned), or None: stage it strictly.
         `learn`: what it found is what the next save's call clones (`_learn`)."""
@@ -363,11 +362,6 @@ class SavePipeline:
             unguarded = to_clone(plan.tensors, Guarded(self._guards), _free_gpu)[0]
         self._learned = None if unguarded is None else \
             Learned(self._guards, plan.tensors, unguarded, plan.gpu, plan.raw_bytes)
-        if self._learned is not None and self._walk_auto and not self._logged_defer:
-            self._logged_defer = True
-            log.info("tiered: save() walked and planned the state (%d tensors) in %.1f ms: from the next save on, the "
-                     "stager thread does, before the optimizer step (guard(optimizer, defer_walk=False) keeps it in "
-                     "save())", len(plan.tensors), self._walked_ms)
 
     def _save_deferred(self, step: int, state_dict: Any, learned: Learned, t0: float) -> SaveHandle:
         """A guarded save whose state's structure the last one learned: clone what that one found
@@ -415,7 +409,7 @@ class SavePipeline:
                 if got.why:  # (too large to clone: the next save is planned in its call, and staged strictly)
                     self._learned = None
                 elif tier is self.tier:
-                    self._learned = Learned(self._guards, plan.tensors, got.unguarded, plan.gpu, plan.raw_bytes)
+                    self._learn(plan, got.unguarded)
             if got.new and (got.why or not self._logged_new):
                 self._logged_new = True
                 log.log(logging.WARNING if got.why else logging.INFO,
