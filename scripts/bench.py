@@ -267,13 +267,6 @@ def profile_save(engine, state, device, step) -> None:
     pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(12)
 
 
-def _positive_float(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -319,11 +312,12 @@ def main() -> int:
     ap.add_argument("--migration-modes", default="process,in_process,daemon", help="standard mode: migration modes")
     args = ap.parse_args()
     if args.scale:
-        from scale_methods import METHODS
+        from scale_methods import row_spec
         for name in args.methods.split(","):  # (checked before the model trains)
-            spec, _, interval = name.partition("@")
-            if spec.partition(":")[0] not in METHODS or interval and not _positive_float(interval):
-                ap.error(f"--methods: {name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC and @MS")
+            try:
+                row_spec(name)
+            except ValueError as exc:
+                ap.error(f"--methods: {exc}")
     dev = args.device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the scale mode, every rank one GPU
         if not args.scale:

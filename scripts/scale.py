@@ -78,7 +78,7 @@ import torch
 
 from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync,
                            tensors_of, world)
-from scale_methods import METHODS, close_shared, tiered_engine
+from scale_methods import METHODS, close_shared, row_spec, tiered_engine
 
 GiB = 1 << 30
 
@@ -130,18 +130,17 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     rows = []
     try:
         for k, name in enumerate(methods):
-            spec, _, interval = name.partition("@")  # (tiered_overlap@0.1: Python's switch interval, ms, in the row)
-            base_name, _, row_codec = spec.partition(":")  # (tiered_overlap:none: that row's codec pinned)
+            base_name, row_codec, interval = row_spec(name)
             fn, note = METHODS[base_name]
             run.codec = row_codec or codec
             row = Row(name, note + (f"; codec: {row_codec}" if row_codec else "")
-                      + (f"; sys.setswitchinterval({float(interval)} ms) for the row" if interval else ""))
+                      + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else ""))
             old_interval = sys.getswitchinterval()
             try:
                 if name.startswith("tiered"):
                     tiered_engine(run)  # made, and its memory pinned, before the baseline windows
                 if interval:
-                    sys.setswitchinterval(float(interval) / 1e3)
+                    sys.setswitchinterval(interval / 1e3)
                 fn(row, run, window.baseline())
             except Exception as exc:  # noqa: BLE001 - reported as the row's result (with the saves it made), honestly
                 row.error = f"{type(exc).__name__}: {exc}"[:400]

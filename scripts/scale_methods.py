@@ -214,3 +214,20 @@ METHODS = {
     "dcp_stager": (run_dcp_stager, "async_save + DefaultStager(use_async_staging=True), waited for before optimizer.step"),
     "torch_save": (run_torch_save, "torch.save + fsync: synchronous"),
 }
+
+
+def row_spec(name: str) -> tuple[str, str, float | None]:
+    """(method, codec or "", switch interval in ms or None) of a row named on the command line:
+    METHOD[:CODEC][@MS] (tiered_overlap:none: that row's codec pinned; tiered_overlap@0.1: Python's
+    switch interval during the row). ValueError naming what is wrong."""
+    spec, at, interval = name.partition("@")
+    base, _, codec = spec.partition(":")
+    if base not in METHODS:
+        raise ValueError(f"{name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC and @MS")
+    try:
+        ms = float(interval) if at else None
+    except ValueError:
+        ms = None
+    if at and not (ms and ms > 0):
+        raise ValueError(f"{name!r}: @{interval} is not a switch interval in ms (a positive number)")
+    return base, codec, ms
