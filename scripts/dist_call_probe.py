@@ -8,7 +8,9 @@ optimizer step between saves, each save waited for) to an `ans` local tier.
 
 Each rank prints one JSON line: the median and range of the call from the 6th save on, and the
 medians of its parts (`SaveHandle.timings`): DCP's plan (the walk of the state, the all-reduce),
-then this rank's items and their staging (of it, the save pipeline's plan). To compare two
+then this rank's items and their staging (of it, the save pipeline's plan); where the call
+deferred them (the default guard, once a call took `tiered.save.DEFER_AFTER_MS`), DCP's plan's
+parts are the stager thread's, and `stager_plan_ms` is all its planning. To compare two
 versions of the engine, run it with each first on PYTHONPATH, alternately, on one machine, with
 a different TAG each (the tier's directory, /tmp/dist-call-TAG, is left for the caller to remove).
 NCCL default group, so the planning runs on the gloo group the engine makes, as in training.
@@ -28,7 +30,7 @@ import torch.distributed as dist
 import tiered
 from call_probe import replicas
 
-PARTS = ("dcp_walk_ms", "dcp_agree_ms", "dcp_plan_ms", "dcp_stage_ms", "plan_ms")
+PARTS = ("dcp_walk_ms", "dcp_agree_ms", "dcp_plan_ms", "dcp_stage_ms", "plan_ms", "stager_plan_ms")
 
 
 def main() -> None:
@@ -58,10 +60,10 @@ def main() -> None:
             t0 = time.perf_counter()
             h = engine.save(step, s)
             calls.append(1e3 * (time.perf_counter() - t0))
-            timings.append(dict(h.timings))
             for o in opts:
                 o.step()
             h.wait()
+            timings.append(dict(h.timings))  # (after the wait: a deferred save's parts come from the stager thread)
         for g in guards:
             g.remove()
     warm, parts = calls[5:], timings[5:]

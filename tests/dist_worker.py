@@ -322,9 +322,67 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
             raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
 
 
+def guarded_saves(engine, step: int, auto: bool) -> None:
+    """Guarded saves at N ranks (`Engine.guard`; `auto`: the default guard with every walk long
+    enough to defer, else `defer_walk=True`): from the second save on, each call clones what is
+    unguarded and returns, and the stager thread plans with DCP (the walk, the all-reduce) and
+    reads the state. Right after each call an unguarded buffer changes (cloned in the call) and
+    the optimizer steps (it waits for the reads): every step restores bit-exact to the state at
+    its save. A rank's own names, so that DCP keeps every rank's tensors."""
+    import tiered.save
+
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    params = {f"w{rank}.{i}": torch.nn.Parameter(torch.randn(64, 33)) for i in range(6)}
+    buf = torch.zeros(17)
+    opt = torch.optim.AdamW(params.values(), lr=0.01)
+    if auto:
+        tiered.save.DEFER_AFTER_MS = 0.0
+    engine.guard(opt, defer_walk=None if auto else True)
+
+    epoch = [0]
+
+    def state() -> dict:  # new dicts every save, as model.state_dict() and optimizer.state_dict() make
+        return {"model": {k: p.detach() for k, p in params.items()}, "buf": {f"b{rank}": buf},
+                "optim": {f"r{rank}": opt.state_dict()}, "extra": {"epoch": epoch[0]}}
+
+    def one_step() -> None:
+        sum((p * p).sum() for p in params.values()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one_step()
+    want = {}
+    for s in range(step, step + 5):
+        epoch[0] = s
+        st = state()
+        want[s] = {k: v.clone() for k, v in st["model"].items()}, buf.clone(), \
+            {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        handle = engine.save(s, st)
+        buf.add_(1.0)  # (unguarded: the call cloned it)
+        one_step()  # (waits for the reads: the guard)
+        handle.wait()
+        timed = handle.timings
+        if s > step and not ("stager_plan_ms" in timed and "dcp_walk_ms" in timed and "call_ms" in timed):
+            raise SystemExit(f"rank {rank}: save {s} was not deferred to the stager thread: {sorted(timed)}")
+        if s == step and "stager_plan_ms" in timed:
+            raise SystemExit(f"rank {rank}: the first save was deferred, with nothing learned")
+    for s, (model, b, adam) in want.items():
+        params_out = {k: torch.zeros(64, 33) for k in params}
+        out = {"model": params_out, "buf": {f"b{rank}": torch.zeros(17)},
+               "optim": {f"r{rank}": {"state": {0: {k: torch.zeros_like(v) for k, v in adam.items()}}}},
+               "extra": {"epoch": -1}}
+        engine.restore(out, s)
+        bad = [k for k in model if not torch.equal(out["model"][k], model[k])]
+        bad += [] if torch.equal(out["buf"][f"b{rank}"], b) else ["buf"]
+        bad += [k for k in adam if not torch.equal(out["optim"][f"r{rank}"]["state"][0][k], adam[k])]
+        if bad or out["extra"]["epoch"] != s:
+            raise SystemExit(f"rank {rank}: step {s} differs after restore: {bad}, epoch {out['extra']['epoch']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "load-fail", "save-fail", "save-change", "save-gc"])
+    ap.add_argument("mode", choices=["save", "load", "load-fail", "save-fail", "save-change", "save-gc", "save-guarded"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
@@ -340,6 +398,7 @@ def main() -> None:
     ap.add_argument("--as-nccl", action="store_true", help="the engine takes the default group for one without a "
                     "CPU backend (tiered.distributed.default_backend says nccl): it must plan over a gloo group "
                     "of its own, made once")
+    ap.add_argument("--auto", action="store_true", help="save-guarded: the default guard (defer_walk=None)")
     ap.add_argument("--repeats", type=int, default=0,
                     help="after the save of --step, save steps step+1..step+N (warm: the cached plan) and print "
                          "how long each blocked the training loop")
@@ -365,6 +424,8 @@ def main() -> None:
             save_while_changing(engine, mesh, args.step, args.reserve)
         elif args.mode == "save-gc":
             saves_without_full_collections(engine, args.step)
+        elif args.mode == "save-guarded":
+            guarded_saves(engine, args.step, args.auto)
         elif args.mode == "save":
             if args.how == "engine":
                 if args.reserve:

@@ -22,6 +22,7 @@ import dataclasses
 import io
 import logging
 import os
+import time
 import uuid
 from typing import Any, Callable, Sequence
 
@@ -154,13 +155,19 @@ class StepWriter(StorageWriter):
         handle.persisted.add_done_callback(done)
         return fut
 
-    def stage_items(self, plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None) -> Any:
+    def stage_items(self, plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None,
+                    planned_ms: float | None = None) -> Any:
         """Hand this rank's items to the save pipeline; return its SaveHandle (None: nothing to
         write). `resolve(i, item)` gives item i's data (a planner's `resolve_data`, or a reused
-        plan's: tiered.dcp_reuse, whose `token` is `structure`)."""
+        plan's: tiered.dcp_reuse, whose `token` is `structure`). `planned_ms`: how long the
+        distributed save planned before (its later saves may plan on the stager thread:
+        `SavePipeline.save_later`)."""
         if not plan.items:
             return None
-        return self.saves.save(self.step, self.items(plan, resolve, structure), rank_only=True)
+        t0 = time.perf_counter()
+        items = self.items(plan, resolve, structure)
+        return self.saves.save(self.step, items, rank_only=True, prepared_ms=None if planned_ms is None
+                               else planned_ms + 1e3 * (time.perf_counter() - t0))
 
     @staticmethod
     def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None) -> tree.Flat:

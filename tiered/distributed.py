@@ -37,6 +37,7 @@ import queue
 import threading
 import time
 import warnings
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -78,6 +79,10 @@ class DistributedSaver:
     # --- save ------------------------------------------------------------------------------
     def save(self, step: int, state_dict: Any) -> SaveHandle:
         t0 = time.perf_counter()
+        later = self._save_later(step, state_dict, t0)
+        if later is not None:
+            return later
+        self.saves.wait_planned()  # (a deferred save's collectives first: on every rank in save order)
         coordinator = self.rank == 0
         writer = StepWriter(self.saves, step)
         writer.set_up_storage_writer(coordinator, rank=self.rank)
@@ -86,26 +91,64 @@ class DistributedSaver:
         t1 = time.perf_counter()
         save_id = f"{final.storage_data}/{step}"  # a reused plan carries the id of the save that made it
         try:
-            rank_handle = writer.stage_items(final, resolve, structure)
+            rank_handle = writer.stage_items(final, resolve, structure, planned_ms=1e3 * (t1 - t0))
         except BaseException as exc:
             # The other ranks go on; tell the coordinator at once rather than let it wait.
             store().set(_rank_key(save_id, self.rank), json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
             raise
+        handle = self._handle(step, rank_handle)
+        # Where a distributed call goes: DCP's plan (of it: the walk of the state, and the one
+        # all-reduce, which also waits for the slowest rank to call save), then this rank's items
+        # and their staging (the single-process timings above).
+        handle.timings.update(dcp_plan_ms=1e3 * (t1 - t0), dcp_stage_ms=1e3 * (time.perf_counter() - t1), **parts)
+        planned: Future = Future()
+        planned.set_result((final, metadata, save_id))
+        return self._queue(step, planned, rank_handle, handle, t0)
+
+    def _save_later(self, step: int, state_dict: Any, t0: float) -> SaveHandle | None:
+        """A guarded save whose state an earlier save learned (`SavePipeline.save_later`): the call
+        clones what is unguarded and returns; the stager thread plans with DCP (the walk, the
+        all-reduce: in save order on every rank, as no call plans while one is pending) and makes
+        this rank's items, before it reads them. None where the call must plan."""
+        planned: Future = Future()
+        """(final plan, metadata, save id) once the stager thread has planned, for the commit."""
+
+        def prepare(timings: dict[str, float]) -> tree.Flat:
+            t1 = time.perf_counter()
+            writer = StepWriter(self.saves, step)
+            writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+            parts: dict[str, float] = {}
+            try:
+                final, metadata, resolve, structure = self._plan(state_dict, writer, parts)
+            except BaseException as exc:
+                planned.set_exception(exc)
+                raise
+            planned.set_result((final, metadata, f"{final.storage_data}/{step}"))
+            timings.update(dcp_plan_ms=1e3 * (time.perf_counter() - t1), **parts)
+            return writer.items(final, resolve, structure)  # (a failure: the commit posts it, from the rank's handle)
+
+        rank_handle = self.saves.save_later(step, prepare)
+        if rank_handle is None:
+            return None
+        return self._queue(step, planned, rank_handle, self._handle(step, rank_handle), t0)
+
+    @staticmethod
+    def _handle(step: int, rank_handle: Any) -> SaveHandle:
+        """The distributed save's handle: staged as this rank's save is, persisted once committed."""
         handle = SaveHandle(step)
         if rank_handle is None:
             handle.staged.set_result(step)
         else:
             handle.raw_bytes = rank_handle.raw_bytes
-            handle.timings = dict(rank_handle.timings)
+            handle.timings = rank_handle.timings  # (one dict: a deferred save's stager adds to it)
             rank_handle.staged.add_done_callback(lambda f: _mirror(f, handle.staged))
-        # Where a distributed call goes: DCP's plan (of it: the walk of the state, and the one
-        # all-reduce, which also waits for the slowest rank to call save), then this rank's items
-        # and their staging (the single-process timings above).
-        handle.timings.update(dcp_plan_ms=1e3 * (t1 - t0), dcp_stage_ms=1e3 * (time.perf_counter() - t1), **parts)
+        return handle
+
+    def _queue(self, step: int, planned: Future, rank_handle: Any, handle: SaveHandle, t0: float) -> SaveHandle:
         with self._lock:
             self._pending.append(handle)
         handle.stall_s = time.perf_counter() - t0
-        self._jobs.put((step, list(final.items), rank_handle, metadata, save_id, handle, t0))
+        self._jobs.put((step, planned, rank_handle, handle, t0))
         return handle
 
     def _plan(self, state_dict: Any, writer: StepWriter,
@@ -154,6 +197,7 @@ class DistributedSaver:
         a first save of 8,320 tensors a rank at 2 ranks, gloo: scripts/plan_probe.py), and ready
         this rank's part of it as a single-process `reserve` readies a state
         (SavePipeline.reserve). Returns that part's bytes."""
+        self.saves.wait_planned()
         writer = StepWriter(self.saves, 0)  # (the step is a placeholder: a reused plan takes each save's)
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
         final, _, resolve, structure = self._plan(state_dict, writer)
@@ -184,9 +228,10 @@ class DistributedSaver:
             job = self._jobs.get()
             if job is None:
                 return
-            step, items, rank_handle, metadata, save_id, handle, t0 = job
+            step, planned, rank_handle, handle, t0 = job
             try:
-                manifest = self._commit(step, items, rank_handle, metadata, save_id)
+                final, metadata, save_id = planned.result()  # (a deferred save: once the stager has planned)
+                manifest = self._commit(step, list(final.items), rank_handle, metadata, save_id)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
                 err = exc if isinstance(exc, BackgroundSaveError) else BackgroundSaveError(step, exc)
                 log.error("tiered: %s", err)

@@ -262,6 +262,25 @@ def _over_limit(tensors: list[torch.Tensor], unguarded: list[int], free_gpu: Any
     return None
 
 
+def say_new(step: int, got: Deferred, first: str) -> None:
+    """Log that a deferred save found unguarded tensors its call had not cloned (`got.new`, the
+    first of them at path `first`), and what became of them."""
+    log.log(logging.WARNING if got.why else logging.INFO,
+            "tiered: step %d: %d tensors that no guarded optimizer updates lie where the last save had none (the "
+            "first: %s; a tensor made anew for each save, such as an RNG state, always does): %s by the stager "
+            "thread after save() returned, so one that the next forward changes holds its later value; %s", step,
+            len(got.new), first, "read as they are" if got.why else "copied",
+            f"{got.why}, so the next save is planned in its call and staged strictly" if got.why
+            else "from the next save on, those that stay where they are are copied in save()")
+
+
+def recorded(index: int) -> Any:
+    """An event recorded now on GPU `index`'s current stream."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(index))
+    return ev
+
+
 class Guard:
     """What `Engine.guard` returns: `remove()` stops guarding (later saves are strict again)."""
 

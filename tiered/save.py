@@ -15,7 +15,8 @@ after this rank's index, because the step is committed once every rank's files a
          (with `guard(optimizer)`: the stage runs on the stager thread instead, `save()`
          returns at once, and the optimizer's next step waits for the reads: tiered.overlap;
          once a guarded save has learned the state's structure, the stager thread also walks
-         and plans the next ones, and their call clones what is unguarded and returns)
+         and plans the next ones, and their call clones what is unguarded and returns; a
+         distributed save's too, DCP's plan with it: `save_later`)
     writer thread, per staged segment, in order:
       -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; tensors stored
          as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
@@ -49,7 +50,8 @@ from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import ALIGNMENT, Manifest
 from tiered.handle import RankFiles, SaveHandle
-from tiered.overlap import Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, to_clone
+from tiered.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
+                            to_clone)
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
@@ -72,7 +74,8 @@ class SavePipeline:
     """The save side of one Engine: staging in the caller's thread, one writer thread behind it.
 
     Public calls: `save`, `wait`, `pending`, `close`; for the distributed save and DCP storage:
-    `bind_rank`, `check`, `record_failure`, `track`, `notify_committed`; for the engine: `on_commit`.
+    `bind_rank`, `check`, `record_failure`, `track`, `notify_committed`, `save_later`,
+    `wait_planned`; for the engine: `on_commit`.
     """
 
     def __init__(self, config: Config, catalog: TierCatalog, workers: Workers):
@@ -173,7 +176,7 @@ class SavePipeline:
         in each GPU's pack buffer and run the save's kernels once (`GpuDevice.prepare`), so that
         the first save of its structure reuses the plan and the layout and loads no kernel.
         Returns its tensors' bytes."""
-        self._wait_planned()
+        self.wait_planned()
         leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
         structure = state_dict.structure if type(state_dict) is tree.Flat else None
         tensors = [leaf.tensor for leaf in leaves]
@@ -181,7 +184,7 @@ class SavePipeline:
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
             self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
-        if self._guards and not rank_only and not self._walk_in_call and not self._walk_auto:  # (nor the first call)
+        if self._guards and not self._walk_in_call and not self._walk_auto:  # (nor the first call)
             self._learn(made)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
@@ -276,19 +279,19 @@ class SavePipeline:
             self._falling_back = False
         return fast
 
-    def save(self, step: int, state_dict: Any, *, rank_only: bool = False) -> SaveHandle:
+    def save(self, step: int, state_dict: Any, *, rank_only: bool = False,
+             prepared_ms: float | None = None) -> SaveHandle:
         """Stage `state_dict` and queue its writing. With `rank_only`, the writer stops after this
         rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
-        save that commits the step once every rank's files are durable."""
+        save that commits the step once every rank's files are durable. `prepared_ms`: the
+        distributed save's walk and plan of its state before this call (DCP's), whose later
+        saves may then defer theirs (`save_later`)."""
         t0 = time.perf_counter()
-        self.check(step)
-        with self._lock:
-            if step in self._inflight:
-                raise TieredError(f"step {step} is already being saved")
+        self._check_new(step)
         learned = self._learned
         if learned is not None and not rank_only and not self._walk_in_call and learned.fits(self._guards):
             return self._save_deferred(step, state_dict, learned, t0)
-        self._wait_planned()
+        self.wait_planned()
         skeleton, leaves = tree.flatten(state_dict, share=not rank_only)  # (DCP's items are its own)
         t1 = time.perf_counter()
         if rank_only:
@@ -304,8 +307,8 @@ class SavePipeline:
         handle.timings.update(plan_ms=1e3 * (t3 - t0), flatten_ms=1e3 * (t1 - t0), begin_ms=1e3 * (t2 - t1))
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
-        walked_ms = 1e3 * (t1 - t0 + t3 - t2)  # (the walk and the plan, not the tier's step made between them)
-        learn = not rank_only and tier is self.tier and not self._walk_in_call and \
+        walked_ms = 1e3 * (t1 - t0 + t3 - t2) + (prepared_ms or 0.0)  # (the walk and the plan, not the step made)
+        learn = (not rank_only or prepared_ms is not None) and tier is self.tier and not self._walk_in_call and \
             (not self._walk_auto or walked_ms >= DEFER_AFTER_MS)  # (for deferred saves only)
         overlapped = self._overlapped(plan, learn) if self._guards else None
         if learn and self._walk_auto and self._learned is not None and not self._logged_defer:
@@ -321,7 +324,7 @@ class SavePipeline:
         if tier is self.tier:
             self.codec.after_save(job.plan, handle)  # (the first save: samples the state for codec: auto)
         if self._guards:  # one thread stages, in save order: a strict save too, then waited for here
-            job.after = {index: _recorded(index) for index in plan.gpu}
+            job.after = {index: recorded(index) for index in plan.gpu}
             with self._lock:
                 self._unordered.append(job)
             self._stage_queue.put(job)
@@ -363,19 +366,39 @@ class SavePipeline:
         self._learned = None if unguarded is None else \
             Learned(self._guards, plan.tensors, unguarded, plan.gpu, plan.raw_bytes)
 
-    def _save_deferred(self, step: int, state_dict: Any, learned: Learned, t0: float) -> SaveHandle:
+    def save_later(self, step: int, prepare: Callable[[dict[str, float]], Any]) -> SaveHandle | None:
+        """A distributed save's call (`rank_only`) once an earlier one learned its state
+        (`save(prepared_ms=...)`): as a deferred guarded save, whose stager thread first calls
+        `prepare(timings)` for this rank's flat state (DCP's plan and items: tiered.distributed;
+        `timings`: the handle's, for its parts). None
+        where the call must walk and plan (nothing learned, or a guard that keeps the walk in it)."""
+        t0 = time.perf_counter()
+        learned = self._learned
+        if learned is None or self._walk_in_call or not learned.fits(self._guards):
+            return None
+        self._check_new(step)
+        return self._save_deferred(step, prepare, learned, t0, rank_only=True)
+
+    def _check_new(self, step: int) -> None:
+        self.check(step)
+        with self._lock:
+            if step in self._inflight:
+                raise TieredError(f"step {step} is already being saved")
+
+    def _save_deferred(self, step: int, state_dict: Any, learned: Learned, t0: float,
+                       rank_only: bool = False) -> SaveHandle:
         """A guarded save whose state's structure the last one learned: clone what that one found
         unguarded, record where training's streams are, and return; the stager thread walks and
-        plans the state (`_plan_deferred`) before it reads it, and the guarded optimizer step
-        waits for both."""
-        if self.tier.has_step(step):
+        plans the state (`_plan_deferred`; with `rank_only`, `state_dict` is the callable that
+        makes it) before it reads it, and the guarded optimizer step waits for both."""
+        if not rank_only and self.tier.has_step(step):
             self.tier.begin_step(step)  # (refuses a committed step, here and now)
         handle = SaveHandle(step, raw_bytes=learned.raw_bytes, tier=self.tier.name, _reported=self._reported)
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
         job = Job(step, None, None, handle, device_io=bool(learned.devices), state=state_dict,
-                   clones=learned.clone_now())
-        job.after = {index: _recorded(index) for index in learned.devices}  # (after the clones)
+                   clones=learned.clone_now(), rank_only=rank_only)
+        job.after = {index: recorded(index) for index in learned.devices}  # (after the clones)
         with self._lock:
             self._inflight[step] = handle
             self._unordered.append(job)
@@ -393,12 +416,18 @@ class SavePipeline:
         handle = job.handle
         try:
             with tree.collector_paused():
-                skeleton, leaves = tree.flatten(job.state, share=True)
+                state = job.state(handle.timings) if job.rank_only else job.state  # (distributed: DCP's items)
+                skeleton, leaves = tree.flatten(state, share=not job.rank_only)
                 job.state = None
                 t1 = time.perf_counter()
-                tier = job.tier = self._begin(job.step, leaves)
+                if job.rank_only:
+                    self.tier.begin_rank(job.step, self.rank)
+                    tier = job.tier = self.tier
+                else:
+                    tier = job.tier = self._begin(job.step, leaves)
                 t2 = time.perf_counter()
-                plan = self._plan(tier, leaves, None)
+                plan = self._plan(tier, leaves, state.structure if type(state) is tree.Flat else None)
+                del state
                 for index in plan.gpu:
                     if index not in job.after:  # (a GPU the last save had no tensor on: read once it is idle)
                         torch.cuda.synchronize(index)
@@ -412,14 +441,7 @@ class SavePipeline:
                     self._learn(plan, got.unguarded)
             if got.new and (got.why or not self._logged_new):
                 self._logged_new = True
-                log.log(logging.WARNING if got.why else logging.INFO,
-                        "tiered: step %d: %d tensors that no guarded optimizer updates lie where the last save had "
-                        "none (the first: %s; a tensor made anew for each save, such as an RNG state, always "
-                        "does): %s by the stager thread after save() returned, so one that the next forward "
-                        "changes holds its later value; %s", job.step, len(got.new),
-                        tree.path_str(leaves[got.new[0]].path), "read as they are" if got.why else "copied",
-                        f"{got.why}, so the next save is planned in its call and staged strictly" if got.why
-                        else "from the next save on, those that stay where they are are copied in save()")
+                say_new(job.step, got, tree.path_str(leaves[got.new[0]].path))
         except BaseException as exc:
             job.segments.put(Abort(exc))
             job.go.set()
@@ -431,9 +453,9 @@ class SavePipeline:
         if tier is self.tier:
             self.codec.after_save(plan, handle)
 
-    def _wait_planned(self) -> None:
+    def wait_planned(self) -> None:
         """Before a save plans on the caller's thread: every deferred save is planned (one plan
-        cache, planned on one thread at a time)."""
+        cache, and a distributed save's collectives, on one thread at a time)."""
         with self._lock:
             jobs = [job for job in self._unordered if job.plan is None]
         for job in jobs:
@@ -572,10 +594,3 @@ class SavePipeline:
 
 def _free_gpu(index: int) -> int:
     return torch.cuda.mem_get_info(index)[0]
-
-
-def _recorded(index: int) -> Any:
-    """An event recorded now on GPU `index`'s current stream."""
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(index))
-    return ev
