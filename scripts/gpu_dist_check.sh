@@ -3,7 +3,7 @@
 # saved at 2 ranks (NCCL) through Engine.save, dcp.save and dcp.async_save (tiered.dcp.GpuStager),
 # loaded at 2 and at 1 rank, compared bit for bit with the full state gathered at save time; Engine.save after
 # Engine.reserve (which plans with DCP), then five more Engine.save calls (the cached plan) print how long each
-# blocked training.
+# blocked training; then guarded saves whose planning runs on each rank's stager thread, bit-exact.
 # Usage (from the repository root):  bash scripts/gpu_dist_check.sh [OUTDIR]
 set -uo pipefail
 out=${1:-${OUT:-./gpu-dist-check}}
@@ -36,6 +36,11 @@ for how in engine dcp async; do
   run 2 load --step $step --how $load_how || status=1
   run 1 load --step $step --how $load_how || status=1
 done
+# Guarded saves (the default guard, every walk deferred): from the second on, each rank's stager thread
+# plans with DCP over the engine's gloo group while training's NCCL default group is left alone
+echo "== torchrun 2 ranks: save-guarded --auto --cuda (NCCL)"
+python3 -m torch.distributed.run --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=$((29500 + RANDOM % 1000)) \
+  tests/dist_worker.py save-guarded --step 40 --auto --cuda --backend nccl --config "$work/fsdp.yaml" || status=1
 python3 - "$work/nvme" <<'PY' || status=1
 import json, pathlib, sys
 for d in sorted(pathlib.Path(sys.argv[1]).glob("step_*")):

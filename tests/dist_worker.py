@@ -322,19 +322,20 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
             raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
 
 
-def guarded_saves(engine, step: int, auto: bool) -> None:
+def guarded_saves(engine, step: int, auto: bool, device: str) -> None:
     """Guarded saves at N ranks (`Engine.guard`; `auto`: the default guard with every walk long
     enough to defer, else `defer_walk=True`): from the second save on, each call clones what is
     unguarded and returns, and the stager thread plans with DCP (the walk, the all-reduce) and
     reads the state. Right after each call an unguarded buffer changes (cloned in the call) and
     the optimizer steps (it waits for the reads): every step restores bit-exact to the state at
-    its save. A rank's own names, so that DCP keeps every rank's tensors."""
+    its save. A rank's own names, so that DCP keeps every rank's tensors. `device`: where the
+    state lies (cuda: each rank's GPU, with scripts/gpu_dist_check.sh)."""
     import tiered.save
 
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
-    params = {f"w{rank}.{i}": torch.nn.Parameter(torch.randn(64, 33)) for i in range(6)}
-    buf = torch.zeros(17)
+    params = {f"w{rank}.{i}": torch.nn.Parameter(torch.randn(64, 33, device=device)) for i in range(6)}
+    buf = torch.zeros(17, device=device)
     opt = torch.optim.AdamW(params.values(), lr=0.01)
     if auto:
         tiered.save.DEFER_AFTER_MS = 0.0
@@ -368,8 +369,8 @@ def guarded_saves(engine, step: int, auto: bool) -> None:
         if s == step and "stager_plan_ms" in timed:
             raise SystemExit(f"rank {rank}: the first save was deferred, with nothing learned")
     for s, (model, b, adam) in want.items():
-        params_out = {k: torch.zeros(64, 33) for k in params}
-        out = {"model": params_out, "buf": {f"b{rank}": torch.zeros(17)},
+        params_out = {k: torch.zeros(64, 33, device=device) for k in params}
+        out = {"model": params_out, "buf": {f"b{rank}": torch.zeros(17, device=device)},
                "optim": {f"r{rank}": {"state": {0: {k: torch.zeros_like(v) for k, v in adam.items()}}}},
                "extra": {"epoch": -1}}
         engine.restore(out, s)
@@ -399,11 +400,12 @@ def main() -> None:
                     "CPU backend (tiered.distributed.default_backend says nccl): it must plan over a gloo group "
                     "of its own, made once")
     ap.add_argument("--auto", action="store_true", help="save-guarded: the default guard (defer_walk=None)")
+    ap.add_argument("--cuda", action="store_true", help="save-guarded: the state on each rank's GPU (NCCL)")
     ap.add_argument("--repeats", type=int, default=0,
                     help="after the save of --step, save steps step+1..step+N (warm: the cached plan) and print "
                          "how long each blocked the training loop")
     args = ap.parse_args()
-    cuda = args.fsdp is not None
+    cuda = args.fsdp is not None or args.cuda
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(args.backend or ("cpu:gloo,cuda:nccl" if cuda else "gloo"))
@@ -415,7 +417,8 @@ def main() -> None:
         tiered.distributed.default_backend = lambda: "nccl"
     engine = Engine.from_config(args.config)
     try:
-        state = fsdp_state(args.mode == "load", args.width, args.layers) if cuda else build(mesh, args.mode.startswith("load"))
+        state = None if args.mode == "save-guarded" else fsdp_state(args.mode == "load", args.width, args.layers) \
+            if cuda else build(mesh, args.mode.startswith("load"))
         if args.mode == "load-fail":
             load_fails_on_rank_1(engine, state, args.step)
         elif args.mode == "save-fail":
@@ -425,7 +428,7 @@ def main() -> None:
         elif args.mode == "save-gc":
             saves_without_full_collections(engine, args.step)
         elif args.mode == "save-guarded":
-            guarded_saves(engine, args.step, args.auto)
+            guarded_saves(engine, args.step, args.auto, "cuda" if cuda else "cpu")
         elif args.mode == "save":
             if args.how == "engine":
                 if args.reserve:
