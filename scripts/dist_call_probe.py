@@ -5,14 +5,16 @@ so only the per-tensor work counts), guards the optimizers, reserves, then saves
 optimizer step between saves, each save waited for) to an `ans` local tier.
 
     TAG=new torchrun --standalone --nproc-per-node 2 scripts/dist_call_probe.py
+    DEFER_WALK=1 torchrun ...     # guard(optimizer, defer_walk=True): DCP's plan on the stager thread
 
 Each rank prints one JSON line: the median and range of the call from the 6th save on, and the
 medians of its parts (`SaveHandle.timings`): DCP's plan (the walk of the state, the all-reduce),
-then this rank's items and their staging (of it, the save pipeline's plan); where the call
-deferred them (the default guard, once a call took `tiered.save.DEFER_AFTER_MS`), DCP's plan's
-parts are the stager thread's, and `stager_plan_ms` is all its planning. To compare two
-versions of the engine, run it with each first on PYTHONPATH, alternately, on one machine, with
-a different TAG each (the tier's directory, /tmp/dist-call-TAG, is left for the caller to remove).
+then this rank's items and their staging (of it, the save pipeline's plan). With `DEFER_WALK=1`
+the call defers them: DCP's plan's parts are then the stager thread's, and `stager_plan_ms` is
+all its planning (the default guard keeps a distributed save's planning in its call). To compare
+two versions of the engine, run it with each first on PYTHONPATH, alternately, on one machine,
+with a different TAG each (the tier's directory, /tmp/dist-call-TAG, is left for the caller to
+remove).
 NCCL default group, so the planning runs on the gloo group the engine makes, as in training.
 Without CUDA it runs on the CPU (gloo, `codec: none`), to check the probe itself.
 """
@@ -49,7 +51,7 @@ def main() -> None:
                       "codec": "ans" if gpu else "none"}]}
     calls, timings = [], []
     with tiered.Engine.from_config(cfg) as engine:
-        guards = [engine.guard(o) for o in opts]
+        guards = [engine.guard(o, defer_walk=True if os.environ.get("DEFER_WALK") == "1" else None) for o in opts]
         engine.reserve(state())
         engine.wait_pinned()
         for step in range(1, 26):

@@ -36,11 +36,14 @@ for how in engine dcp async; do
   run 2 load --step $step --how $load_how || status=1
   run 1 load --step $step --how $load_how || status=1
 done
-# Guarded saves (the default guard, every walk deferred): from the second on, each rank's stager thread
-# plans with DCP over the engine's gloo group while training's NCCL default group is left alone
-echo "== torchrun 2 ranks: save-guarded --auto --cuda (NCCL)"
-python3 -m torch.distributed.run --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=$((29500 + RANDOM % 1000)) \
-  tests/dist_worker.py save-guarded --step 40 --auto --cuda --backend nccl --config "$work/fsdp.yaml" || status=1
+# Guarded saves: with defer_walk=True, from the second on, each rank's stager thread plans with DCP over
+# the engine's gloo group while training's NCCL default group is left alone; the default guard plans in the call
+for mode in "" --auto; do
+  echo "== torchrun 2 ranks: save-guarded $mode --cuda (NCCL)"
+  python3 -m torch.distributed.run --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=$((29500 + RANDOM % 1000)) \
+    tests/dist_worker.py save-guarded --step $([ -z "$mode" ] && echo 40 || echo 50) $mode --cuda --backend nccl \
+    --config "$work/fsdp.yaml" || status=1
+done
 python3 - "$work/nvme" <<'PY' || status=1
 import json, pathlib, sys
 for d in sorted(pathlib.Path(sys.argv[1]).glob("step_*")):

@@ -22,7 +22,6 @@ import dataclasses
 import io
 import logging
 import os
-import time
 import uuid
 from typing import Any, Callable, Sequence
 
@@ -156,18 +155,14 @@ class StepWriter(StorageWriter):
         return fut
 
     def stage_items(self, plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None,
-                    planned_ms: float | None = None) -> Any:
+                    deferrable: bool = False) -> Any:
         """Hand this rank's items to the save pipeline; return its SaveHandle (None: nothing to
         write). `resolve(i, item)` gives item i's data (a planner's `resolve_data`, or a reused
-        plan's: tiered.dcp_reuse, whose `token` is `structure`). `planned_ms`: how long the
-        distributed save planned before (its later saves may plan on the stager thread:
-        `SavePipeline.save_later`)."""
+        plan's: tiered.dcp_reuse, whose `token` is `structure`). `deferrable`: the distributed
+        save's, whose later saves may plan on the stager thread (`SavePipeline.save_later`)."""
         if not plan.items:
             return None
-        t0 = time.perf_counter()
-        items = self.items(plan, resolve, structure)
-        return self.saves.save(self.step, items, rank_only=True, prepared_ms=None if planned_ms is None
-                               else planned_ms + 1e3 * (time.perf_counter() - t0))
+        return self.saves.save(self.step, self.items(plan, resolve, structure), rank_only=True, deferrable=deferrable)
 
     @staticmethod
     def items(plan: SavePlan, resolve: Callable[[int, WriteItem], Any], structure: Any = None) -> tree.Flat:

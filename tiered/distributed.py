@@ -91,7 +91,7 @@ class DistributedSaver:
         t1 = time.perf_counter()
         save_id = f"{final.storage_data}/{step}"  # a reused plan carries the id of the save that made it
         try:
-            rank_handle = writer.stage_items(final, resolve, structure, planned_ms=1e3 * (t1 - t0))
+            rank_handle = writer.stage_items(final, resolve, structure, deferrable=True)
         except BaseException as exc:
             # The other ranks go on; tell the coordinator at once rather than let it wait.
             store().set(_rank_key(save_id, self.rank), json.dumps({"error": f"rank {self.rank}: {exc!r}"}))
@@ -106,7 +106,8 @@ class DistributedSaver:
         return self._queue(step, planned, rank_handle, handle, t0)
 
     def _save_later(self, step: int, state_dict: Any, t0: float) -> SaveHandle | None:
-        """A guarded save whose state an earlier save learned (`SavePipeline.save_later`): the call
+        """A guarded save (`defer_walk=True`) whose state an earlier save learned
+        (`SavePipeline.save_later`): the call
         clones what is unguarded and returns; the stager thread plans with DCP (the walk, the
         all-reduce: in save order on every rank, as no call plans while one is pending) and makes
         this rank's items, before it reads them. None where the call must plan."""

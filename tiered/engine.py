@@ -167,8 +167,8 @@ class Engine:
         `save()` is called (tiered.overlap; beyond a limit the save is strict, logged once). Once
         a call's walk of the state took 10 ms (a large state), later calls do not walk it: that
         thread does, before the optimizer step, so until then the state's dicts and non-tensor
-        values must not change (`defer_walk=True`: from the first save, or `reserve` after this;
-        False: never). A loop that changes guarded tensors other than through `optimizer.step()`
+        values must not change (`defer_walk=True`: from the first save, or `reserve` after this,
+        and under torchrun, DCP's plan too; False: never). A loop that changes guarded tensors other than through `optimizer.step()`
         calls `order_updates()` first. Returns a guard whose `remove()` makes saves strict again."""
         return self.saves.guard(optimizer, defer_walk)
 

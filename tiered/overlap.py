@@ -22,7 +22,9 @@ value in that one save, which the log says. Values that are not tensors are read
 too, before the optimizer step. A small state's walk stays in the call: on the stager thread
 it shares the GIL with the training thread launching the next step, and where launching bounds
 the step that saved nothing (docs/benchmarks.md, session 32; scripts/gil_share_probe.py);
-`defer_walk=False` keeps every walk in the call.
+`defer_walk=False` keeps every walk in the call. Under torchrun a save's walk comes with DCP's
+plan (a collective): the stager thread does both only with `defer_walk=True` on every guard
+(`SavePipeline.save_later`); the default guard keeps them in the call (session 34).
 """
 
 from __future__ import annotations

@@ -279,13 +279,13 @@ class SavePipeline:
             self._falling_back = False
         return fast
 
-    def save(self, step: int, state_dict: Any, *, rank_only: bool = False,
-             prepared_ms: float | None = None) -> SaveHandle:
+    def save(self, step: int, state_dict: Any, *, rank_only: bool = False, deferrable: bool = False) -> SaveHandle:
         """Stage `state_dict` and queue its writing. With `rank_only`, the writer stops after this
         rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
-        save that commits the step once every rank's files are durable. `prepared_ms`: the
-        distributed save's walk and plan of its state before this call (DCP's), whose later
-        saves may then defer theirs (`save_later`)."""
+        save that commits the step once every rank's files are durable. `deferrable`: a
+        distributed save (rank_only), whose later saves may defer their walk and DCP's plan
+        (`save_later`) where every guard says `defer_walk=True`; under the default guard they
+        stay in the call (docs/benchmarks.md, session 34)."""
         t0 = time.perf_counter()
         self._check_new(step)
         learned = self._learned
@@ -307,9 +307,10 @@ class SavePipeline:
         handle.timings.update(plan_ms=1e3 * (t3 - t0), flatten_ms=1e3 * (t1 - t0), begin_ms=1e3 * (t2 - t1))
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
-        walked_ms = 1e3 * (t1 - t0 + t3 - t2) + (prepared_ms or 0.0)  # (the walk and the plan, not the step made)
-        learn = (not rank_only or prepared_ms is not None) and tier is self.tier and not self._walk_in_call and \
-            (not self._walk_auto or walked_ms >= DEFER_AFTER_MS)  # (for deferred saves only)
+        walked_ms = 1e3 * (t1 - t0 + t3 - t2)  # (the walk and the plan, not the tier's step made between them)
+        # (for deferred saves only; a distributed one's with `defer_walk=True` on every guard alone)
+        learn = (not rank_only or deferrable and not self._walk_auto) and tier is self.tier and \
+            not self._walk_in_call and (not self._walk_auto or walked_ms >= DEFER_AFTER_MS)
         overlapped = self._overlapped(plan, learn) if self._guards else None
         if learn and self._walk_auto and self._learned is not None and not self._logged_defer:
             self._logged_defer = True
@@ -368,7 +369,7 @@ class SavePipeline:
 
     def save_later(self, step: int, prepare: Callable[[dict[str, float]], Any]) -> SaveHandle | None:
         """A distributed save's call (`rank_only`) once an earlier one learned its state
-        (`save(prepared_ms=...)`): as a deferred guarded save, whose stager thread first calls
+        (`save(deferrable=True)`, under `guard(optimizer, defer_walk=True)`): as a deferred guarded save, whose stager thread first calls
         `prepare(timings)` for this rank's flat state (DCP's plan and items: tiered.distributed;
         `timings`: the handle's, for its parts). None
         where the call must walk and plan (nothing learned, or a guard that keeps the walk in it)."""
