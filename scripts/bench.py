@@ -288,7 +288,8 @@ def main() -> int:
     ap.add_argument("--gil-watch", action="store_true",
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                          "and where the engine's threads were then, and where the training thread was in the "
-                         "window's first 100 ms (scripts/gil_watch.py; it costs a little GIL)")
+                         "first 100 ms of the save's window and of the window without a save before it "
+                         "(scripts/gil_watch.py; it costs a little GIL)")
     ap.add_argument("--trace", nargs="?", const="summary", default=None, metavar="PREFIX",
                     help="scale mode: one more save per row, after the measured ones, its window profiled "
                          "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "

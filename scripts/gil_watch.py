@@ -24,8 +24,11 @@ queue). A save's overlapped step began its first kernel 44-58 ms after the call 
 run 295, under the profiler, which costs time of its own): these samples, taken without it, say
 where the training thread was meanwhile.
 
-scripts/scale.py records it per save with ``bench.py --scale ... --gil-watch``: it costs a wake-up
-and a few microseconds of the GIL per `period`, so it is off by default.
+scripts/scale.py records it per save with ``bench.py --scale ... --gil-watch``, and the training
+thread's places in the window without a save just before it as well (GPU run 298 sampled the
+save's windows alone: 17-21 of the first 100 ms at `optimizer.zero_grad`, with nothing to
+read that against): it costs a wake-up and a few microseconds of the GIL per `period`, so it is
+off by default.
 """
 
 from __future__ import annotations

@@ -179,6 +179,28 @@ def gpu_free(device: str) -> int:
     return torch.cuda.mem_get_info()[0] if device == "cuda" else 0
 
 
+ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+"""torch's CUDA caching allocator's counters that a window should not move once warm: a retry
+frees the cache (synchronizing the device), a device alloc or free is a cudaMalloc or cudaFree
+(a cudaFree waits for the whole GPU), all under the allocator's lock, which every free of a
+tensor on that GPU takes (a training thread's `p.grad = None` too)."""
+
+
+def allocator_counts(device: str) -> dict[str, int]:
+    """The caching allocators' counters now (the CUDA one's `ALLOCATOR_KEYS`, the pinned host
+    one's allocations and frees); {} on the CPU."""
+    if device != "cuda":
+        return {}
+    d, h = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    return {**{k: int(d.get(k, 0)) for k in ALLOCATOR_KEYS},
+            "num_host_alloc": int(h.get("num_host_alloc", 0)), "num_host_free": int(h.get("num_host_free", 0))}
+
+
+def counted(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters that moved between two `allocator_counts`."""
+    return {k: after[k] - before[k] for k in after if after[k] != before.get(k, 0)}
+
+
 def rss() -> int:
     """The process's resident set (pinned host buffers count once touched)."""
     with open("/proc/self/status") as f:
@@ -341,7 +363,13 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             return started[-1]
 
         barrier()
-        near = window.run()[0]  # the window without a save, now (see above); it trains the state on
+        # (with --gil-watch the window without a save is watched too: where the training thread
+        # stands in its first 100 ms when no save runs is what the save's window is read against)
+        near_gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
+        counts0 = allocator_counts(device)
+        with near_gil:
+            near = window.run()[0]  # the window without a save, now (see above); it trains the state on
+        near_counts = counted(counts0, allocator_counts(device))
         near_steps = window.last_steps_ms
         if k == saves - 1:
             prints = fingerprint(state)
@@ -354,6 +382,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         # Also from the call until the step is durable: the commit's work comes after the window
         # (~25 s after the call at 24 GB), beside the training that goes on.
         with FullCollections() as whole:
+            counts0 = allocator_counts(device)
             with FullCollections() as full, gil, tl:  # (a full pass of Python's collector in the window shows as stall)
                 try:
                     secs, call, result = window.run(start, before_update)
@@ -365,6 +394,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
                     if not (traced and started and world() == 1):
                         raise
                     oom, secs, call, result = f"{type(exc).__name__}: {exc}"[:200], 0.0, 0.0, started[0]
+            save_counts = counted(counts0, allocator_counts(device))
             if oom:
                 torch.cuda.empty_cache()
             low = min(low, gpu_free(device))
@@ -384,7 +414,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
                    extra_steps_ms=None if oom else [round(a - b, 1) for a, b in zip(window.last_steps_ms, near_steps)],
                    full_gc_ms=full.ms, engine_full_gc_ms=full.engine_ms,
                    full_gc_to_durable_ms=whole.ms, engine_full_gc_to_durable_ms=whole.engine_ms,
-                   **(gil.summary() if run.gil_watch else {}))
+                   # the caching allocators' counters that moved in the save's window / the one before
+                   allocator=save_counts, base_allocator=near_counts,
+                   **(gil.summary() if run.gil_watch else {}),
+                   **({"base_main_where": near_gil.summary(4)["main_where"]} if run.gil_watch else {}))
         if k and not run.one_copy:
             barrier()  # every rank's save k + 1 is durable before save k goes
             drop(k)
@@ -393,7 +426,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
                                             if whole.runs else "")
         where = ", ".join(gil.summary(3)["gil_where"]) if run.gil_watch else ""
         gil_note = f", GIL waits {gil.ms} ms (longest {gil.max_ms}{'; ' + where if where else ''}); the training " \
-            f"thread in the first {gil.main_ms:g} ms: {', '.join(gil.summary(4)['main_where'])}" if run.gil_watch else ""
+            f"thread in the first {gil.main_ms:g} ms: {', '.join(gil.summary(4)['main_where'])} (without a save: " \
+            f"{', '.join(rec['base_main_where'])})" if run.gil_watch else ""
+        if save_counts or near_counts:
+            gil_note += f"; allocator counters moved: {save_counts or 'none'} (without a save: {near_counts or 'none'})"
         say(f"#   {row.name} save {k + 1}{' (traced, not counted)' if traced else ''}: stall {rec['stall_ms']} ms "
             f"(call {rec['call_ms']} ms), durable {round(done - t_call[0], 2)} s{gc_note}{gil_note}")
         if traced:
