@@ -326,8 +326,8 @@ def guarded_saves(engine, step: int, auto: bool, device: str) -> None:
     """Guarded saves at N ranks (`Engine.guard`). With `defer_walk=True`, from the second save
     on each call clones what is unguarded and returns, and the stager thread plans with DCP (the
     walk, the all-reduce) and reads the state; `auto`: the default guard, with every walk long
-    enough to defer one process's saves (DEFER_AFTER_MS = 0), whose distributed saves still
-    plan in the call. Right after each call an unguarded buffer changes (cloned in the call) and
+    enough to defer one process's saves (DEFER_AFTER_MS = 0; rank 0 saves once with
+    `local=True` first, which learns the state), whose distributed saves still plan in the call. Right after each call an unguarded buffer changes (cloned in the call) and
     the optimizer steps (it waits for the reads): every step restores bit-exact to the state at
     its save. A rank's own names, so that DCP keeps every rank's tensors. `device`: where the
     state lies (cuda: each rank's GPU, with scripts/gpu_dist_check.sh)."""
@@ -354,6 +354,8 @@ def guarded_saves(engine, step: int, auto: bool, device: str) -> None:
         opt.zero_grad(set_to_none=True)
 
     one_step()
+    if auto and rank == 0:  # a guarded save of this rank alone learns the state: distributed saves still plan in the call
+        engine.save(step - 1, state(), local=True).wait()
     want = {}
     for s in range(step, step + 5):
         epoch[0] = s

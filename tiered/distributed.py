@@ -107,10 +107,10 @@ class DistributedSaver:
 
     def _save_later(self, step: int, state_dict: Any, t0: float) -> SaveHandle | None:
         """A guarded save (`defer_walk=True`) whose state an earlier save learned
-        (`SavePipeline.save_later`): the call
-        clones what is unguarded and returns; the stager thread plans with DCP (the walk, the
-        all-reduce: in save order on every rank, as no call plans while one is pending) and makes
-        this rank's items, before it reads them. None where the call must plan."""
+        (`SavePipeline.save_later`): the call clones what is unguarded and returns; the stager
+        thread plans with DCP (the walk, the all-reduce: in save order on every rank, as no call
+        plans while one is pending) and makes this rank's items, before it reads them. None
+        where the call must plan."""
         planned: Future = Future()
         """(final plan, metadata, save id) once the stager thread has planned, for the commit."""
 

@@ -161,15 +161,15 @@ class Engine:
         """Overlap saves with the next forward and backward, in one line for the common loop.
 
         From now on `save()` returns at once: the state is read on a side stream (another thread
-        issues the work) while training runs on, and `optimizer.step()` first makes its stream
-        wait until that is done, since the optimizer step is what changes parameters and
-        optimizer state. Anything else in the state (buffers, an EMA copy) is cloned when
-        `save()` is called (tiered.overlap; beyond a limit the save is strict, logged once). Once
-        a call's walk of the state took 10 ms (a large state), later calls do not walk it: that
-        thread does, before the optimizer step, so until then the state's dicts and non-tensor
-        values must not change (`defer_walk=True`: from the first save, or `reserve` after this,
-        and under torchrun, DCP's plan too; False: never). A loop that changes guarded tensors other than through `optimizer.step()`
-        calls `order_updates()` first. Returns a guard whose `remove()` makes saves strict again."""
+        issues the work) while training runs on, and `optimizer.step()` first makes its stream wait
+        until that is done, since the optimizer step is what changes parameters and optimizer state.
+        Anything else in the state (buffers, an EMA copy) is cloned when `save()` is called
+        (tiered.overlap; beyond a limit the save is strict, logged once). Once a call's walk of the
+        state took 10 ms (one process, a large state), later calls do not walk it: that thread does,
+        before the optimizer step, so until then the state's dicts and non-tensor values must not
+        change (`defer_walk=True`: from the first save, or `reserve` after this, and under torchrun
+        DCP's plan too; False: never). A loop changing guarded tensors other than by
+        `optimizer.step()` calls `order_updates()` first. `remove()` makes saves strict."""
         return self.saves.guard(optimizer, defer_walk)
 
     def reserve(self, state: Any, *, local: bool = False) -> None:

@@ -369,13 +369,14 @@ class SavePipeline:
 
     def save_later(self, step: int, prepare: Callable[[dict[str, float]], Any]) -> SaveHandle | None:
         """A distributed save's call (`rank_only`) once an earlier one learned its state
-        (`save(deferrable=True)`, under `guard(optimizer, defer_walk=True)`): as a deferred guarded save, whose stager thread first calls
-        `prepare(timings)` for this rank's flat state (DCP's plan and items: tiered.distributed;
-        `timings`: the handle's, for its parts). None
-        where the call must walk and plan (nothing learned, or a guard that keeps the walk in it)."""
+        (`save(deferrable=True)`, with `guard(optimizer, defer_walk=True)` on every guard): as a
+        deferred guarded save, whose stager thread first calls `prepare(timings)` for this rank's
+        flat state (DCP's plan and items: tiered.distributed; `timings`: the handle's, for its
+        parts). None where the call must walk and plan (nothing learned, or a guard without
+        `defer_walk=True`)."""
         t0 = time.perf_counter()
         learned = self._learned
-        if learned is None or self._walk_in_call or not learned.fits(self._guards):
+        if learned is None or self._walk_in_call or self._walk_auto or not learned.fits(self._guards):
             return None
         self._check_new(step)
         return self._save_deferred(step, prepare, learned, t0, rank_only=True)
