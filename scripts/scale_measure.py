@@ -317,10 +317,10 @@ def combine(rows: list[dict]) -> dict:
 
 def _slowest(saves: list[dict]) -> dict:
     """One save as every rank measured it: each number the largest of the ranks' (its slowest
-    rank), each list (its steps) the one of the rank whose stall was largest, so that a save's
-    steps and its baseline window's come from one rank."""
+    rank), each list (its steps) or dict (its allocator counters) the one of the rank whose stall
+    was largest, so that a save's steps and its baseline window's come from one rank."""
     worst = max(saves, key=lambda s: s.get("stall_ms") or 0.0)
-    return {k: worst[k] if isinstance(v, list) or v is None else max(s[k] for s in saves)
+    return {k: worst[k] if isinstance(v, (list, dict)) or v is None else max(s[k] for s in saves)
             for k, v in saves[0].items()}
 
 

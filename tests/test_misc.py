@@ -837,15 +837,16 @@ def test_the_scale_bench_takes_a_saves_steps_from_its_slowest_rank():
     the one rank whose stall was largest (not each list from whichever rank sorts last)."""
     measure = _script("scale_measure")
     rows = []
-    for stall, call, steps, extra in ((120.0, 30.0, [1900.0, 1860.0], [60.0, 5.0]),
-                                      (110.0, 45.0, [1950.0, 1850.0], [90.0, -20.0])):
+    for stall, call, steps, extra, counts in ((120.0, 30.0, [1900.0, 1860.0], [60.0, 5.0], {"num_device_free": 2}),
+                                              (110.0, 45.0, [1950.0, 1850.0], [90.0, -20.0], {})):
         row = measure.Row("tiered_overlap")
         row.add(1.0, 1.0 + stall / 1e3, call / 1e3, 5.0, 0, 0, 0, 0)
-        row.saves[-1].update(steps_ms=steps, extra_steps_ms=extra, full_gc_ms=0)
+        row.saves[-1].update(steps_ms=steps, extra_steps_ms=extra, full_gc_ms=0, allocator=counts)
         rows.append(row.summary())
     save = measure.combine(rows)["saves"][0]
     assert save["stall_ms"] == 120.0 and save["call_ms"] == 45.0, "each number: its slowest rank"
     assert save["steps_ms"] == [1900.0, 1860.0] and save["extra_steps_ms"] == [60.0, 5.0], "lists: one rank's"
+    assert save["allocator"] == {"num_device_free": 2}, "dicts (the allocator's counters): that rank's too"
 
 
 def test_the_bench_finds_where_the_engines_threads_held_the_gil():
