@@ -191,7 +191,8 @@ def allocator_counts(device: str) -> dict[str, int]:
     one's allocations and frees); {} on the CPU."""
     if device != "cuda":
         return {}
-    d, h = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    d = torch.cuda.memory_stats()
+    h = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}  # (torch >= 2.6)
     return {**{k: int(d.get(k, 0)) for k in ALLOCATOR_KEYS},
             "num_host_alloc": int(h.get("num_host_alloc", 0)), "num_host_free": int(h.get("num_host_free", 0))}
 
