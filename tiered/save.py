@@ -65,9 +65,10 @@ log = logging.getLogger("tiered")
 
 DEFER_AFTER_MS = 10.0
 """A guarded save whose call walked and planned its state for this long makes the next saves
-walk on the stager thread (`guard` without `defer_walk`). On one H200 a 24 GB state's walk
-(7,880 tensors, 22-49 ms in the call) cost training more in the call than on that thread;
-a 2.4 GB state's (788 tensors, 4.9 ms) less (docs/benchmarks.md, sessions 32 and 33)."""
+walk on the stager thread (`guard` without `defer_walk`; in one process: under torchrun only
+`defer_walk=True` does). On one H200 a 24 GB state's walk (7,880 tensors, 22-49 ms in the call)
+cost training more in the call than on that thread; a 2.4 GB state's (788 tensors, 4.9 ms)
+less (docs/benchmarks.md, sessions 32 and 33; at 2 ranks, session 34)."""
 
 
 class SavePipeline:
