@@ -16,7 +16,8 @@ two versions of the engine, run it with each first on PYTHONPATH, alternately, o
 with a different TAG each (the tier's directory, /tmp/dist-call-TAG, is left for the caller to
 remove).
 NCCL default group, so the planning runs on the gloo group the engine makes, as in training.
-Without CUDA it runs on the CPU (gloo, `codec: none`), to check the probe itself.
+Without CUDA it runs on the CPU (gloo, `codec: none`; the engine told the default group is NCCL,
+so that it plans on a group of its own there too), to check the probe itself.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def main() -> None:
     if gpu:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if gpu else "gloo")
+    if not gpu:  # as with NCCL: the engine plans on a gloo group of its own (a deferred save's plan needs one)
+        import tiered.distributed
+
+        tiered.distributed.default_backend = lambda: "nccl"
     reps = replicas(f"cuda:{local}" if gpu else "cpu", 10)
     opts = [o for _, o in reps]
 

@@ -322,7 +322,7 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
             raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
 
 
-def guarded_saves(engine, step: int, auto: bool, device: str) -> None:
+def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -> None:
     """Guarded saves at N ranks (`Engine.guard`). With `defer_walk=True`, from the second save
     on each call clones what is unguarded and returns, and the stager thread plans with DCP (the
     walk, the all-reduce) and reads the state; `auto`: the default guard, with every walk long
@@ -330,7 +330,10 @@ def guarded_saves(engine, step: int, auto: bool, device: str) -> None:
     `local=True` first, which learns the state), whose distributed saves still plan in the call. Right after each call an unguarded buffer changes (cloned in the call) and
     the optimizer steps (it waits for the reads): every step restores bit-exact to the state at
     its save. A rank's own names, so that DCP keeps every rank's tensors. `device`: where the
-    state lies (cuda: each rank's GPU, with scripts/gpu_dist_check.sh)."""
+    state lies (cuda: each rank's GPU, with scripts/gpu_dist_check.sh). `own_group`: the engine
+    plans on a gloo group of its own (an NCCL default group); on a CPU default group, which
+    training's collectives use too, it plans in the call even with `defer_walk=True`."""
+    defers = own_group and not auto
     import tiered.save
 
     rank = dist.get_rank()
@@ -367,10 +370,10 @@ def guarded_saves(engine, step: int, auto: bool, device: str) -> None:
         one_step()  # (waits for the reads: the guard)
         handle.wait()
         timed = handle.timings
-        if s > step and not auto and not ("stager_plan_ms" in timed and "dcp_walk_ms" in timed and "call_ms" in timed):
+        if s > step and defers and not ("stager_plan_ms" in timed and "dcp_walk_ms" in timed and "call_ms" in timed):
             raise SystemExit(f"rank {rank}: save {s} was not deferred to the stager thread: {sorted(timed)}")
-        if (s == step or auto) and "stager_plan_ms" in timed:
-            raise SystemExit(f"rank {rank}: save {s} was deferred, {'under the default guard' if auto else 'the first'}")
+        if (s == step or not defers) and "stager_plan_ms" in timed:
+            raise SystemExit(f"rank {rank}: save {s} was deferred ({'the first' if defers else 'auto' if auto else 'on the default group'})")
     for s, (model, b, adam) in want.items():
         params_out = {k: torch.zeros(64, 33, device=device) for k in params}
         out = {"model": params_out, "buf": {f"b{rank}": torch.zeros(17, device=device)},
@@ -431,7 +434,8 @@ def main() -> None:
         elif args.mode == "save-gc":
             saves_without_full_collections(engine, args.step)
         elif args.mode == "save-guarded":
-            guarded_saves(engine, args.step, args.auto, "cuda" if cuda else "cpu")
+            guarded_saves(engine, args.step, args.auto, "cuda" if cuda else "cpu",
+                          own_group=args.as_nccl or "gloo" not in dist.get_backend())
         elif args.mode == "save":
             if args.how == "engine":
                 if args.reserve:

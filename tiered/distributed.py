@@ -69,6 +69,7 @@ class DistributedSaver:
         saves.bind_rank(self.rank, self.world)
         self._group = cpu_group()
         """Where the planning's collectives run: None for the default group, which does CPU ones."""
+        self._told_default = False
         self._reuse = PlanReuse()
         """The last save's plan, reused while the state keeps its structure."""
         self._pending: list[Any] = []
@@ -110,7 +111,18 @@ class DistributedSaver:
         (`SavePipeline.save_later`): the call clones what is unguarded and returns; the stager
         thread plans with DCP (the walk, the all-reduce: in save order on every rank, as no call
         plans while one is pending) and makes this rank's items, before it reads them. None
-        where the call must plan."""
+        where the call must plan, or where the planning's collectives would run on the default
+        group (a CPU one), which training's own collectives use from its threads: from the
+        stager thread they could pair with those in another order on each rank."""
+        if self._group is None:
+            if not self._told_default and self.saves.defers():
+                self._told_default = True
+                log.warning("tiered: guard(optimizer, defer_walk=True): saves still plan with DCP in their call, "
+                            "since they plan on the default process group (%s), where training's own collectives "
+                            "could pair with a stager thread's in another order on each rank (with an NCCL "
+                            "default group the engine plans on a gloo group of its own, and the stager thread "
+                            "does)", default_backend())
+            return None
         planned: Future = Future()
         """(final plan, metadata, save id) once the stager thread has planned, for the commit."""
 

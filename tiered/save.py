@@ -75,7 +75,7 @@ class SavePipeline:
     """The save side of one Engine: staging in the caller's thread, one writer thread behind it.
 
     Public calls: `save`, `wait`, `pending`, `close`; for the distributed save and DCP storage:
-    `bind_rank`, `check`, `record_failure`, `track`, `notify_committed`, `save_later`,
+    `bind_rank`, `check`, `record_failure`, `track`, `notify_committed`, `save_later`, `defers`,
     `wait_planned`; for the engine: `on_commit`.
     """
 
@@ -377,10 +377,15 @@ class SavePipeline:
         `defer_walk=True`)."""
         t0 = time.perf_counter()
         learned = self._learned
-        if learned is None or self._walk_in_call or self._walk_auto or not learned.fits(self._guards):
+        if learned is None or not self.defers(learned):
             return None
         self._check_new(step)
         return self._save_deferred(step, prepare, learned, t0, rank_only=True)
+
+    def defers(self, learned: Learned | None = None) -> bool:
+        """A distributed save's call would plan nothing now (`save_later`)."""
+        learned = learned or self._learned
+        return learned is not None and not self._walk_in_call and not self._walk_auto and learned.fits(self._guards)
 
     def _check_new(self, step: int) -> None:
         self.check(step)
