@@ -84,9 +84,7 @@ class DistributedSaver:
         if later is not None:
             return later
         self.saves.wait_planned()  # (a deferred save's collectives first: on every rank in save order)
-        coordinator = self.rank == 0
-        writer = StepWriter(self.saves, step)
-        writer.set_up_storage_writer(coordinator, rank=self.rank)
+        writer = self._writer(step)
         parts: dict[str, float] = {}
         final, metadata, resolve, structure = self._plan(state_dict, writer, parts)
         t1 = time.perf_counter()
@@ -128,8 +126,7 @@ class DistributedSaver:
 
         def prepare(timings: dict[str, float]) -> tree.Flat:
             t1 = time.perf_counter()
-            writer = StepWriter(self.saves, step)
-            writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+            writer = self._writer(step)
             parts: dict[str, float] = {}
             try:
                 final, metadata, resolve, structure = self._plan(state_dict, writer, parts)
@@ -144,6 +141,12 @@ class DistributedSaver:
         if rank_handle is None:
             return None
         return self._queue(step, planned, rank_handle, self._handle(step, rank_handle), t0)
+
+    def _writer(self, step: int) -> StepWriter:
+        """This rank's StepWriter of `step`, set up as DCP sets up a storage writer."""
+        writer = StepWriter(self.saves, step)
+        writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+        return writer
 
     @staticmethod
     def _handle(step: int, rank_handle: Any) -> SaveHandle:
@@ -211,8 +214,7 @@ class DistributedSaver:
         this rank's part of it as a single-process `reserve` readies a state
         (SavePipeline.reserve). Returns that part's bytes."""
         self.saves.wait_planned()
-        writer = StepWriter(self.saves, 0)  # (the step is a placeholder: a reused plan takes each save's)
-        writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+        writer = self._writer(0)  # (the step is a placeholder: a reused plan takes each save's)
         final, _, resolve, structure = self._plan(state_dict, writer)
         return self.saves.reserve(writer.items(final, resolve, structure), rank_only=True)
 

@@ -179,7 +179,7 @@ class SavePipeline:
         Returns its tensors' bytes."""
         self.wait_planned()
         leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
-        structure = state_dict.structure if type(state_dict) is tree.Flat else None
+        structure = tree.structure_of(state_dict)
         tensors = [leaf.tensor for leaf in leaves]
         self.workers.prepare(tensors)
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
@@ -301,7 +301,7 @@ class SavePipeline:
         else:
             tier = self._begin(step, leaves)
         t2 = time.perf_counter()
-        plan = self._plan(tier, leaves, state_dict.structure if type(state_dict) is tree.Flat else None)
+        plan = self._plan(tier, leaves, tree.structure_of(state_dict))
         handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
                             _reported=self._reported)
         t3 = time.perf_counter()  # (planning in all, and of it: the walk of the state, the tier's step made)
@@ -434,7 +434,7 @@ class SavePipeline:
                 else:
                     tier = job.tier = self._begin(job.step, leaves)
                 t2 = time.perf_counter()
-                plan = self._plan(tier, leaves, state.structure if type(state) is tree.Flat else None)
+                plan = self._plan(tier, leaves, tree.structure_of(state))
                 del state
                 for index in plan.gpu:
                     if index not in job.after:  # (a GPU the last save had no tensor on: read once it is idle)

@@ -132,6 +132,11 @@ class Flat:
         self.skeleton, self.leaves, self.structure = skeleton, leaves, structure
 
 
+def structure_of(state: Any) -> Any:
+    """A Flat state's `structure` (None for any other state: the plan cache compares its leaves)."""
+    return state.structure if type(state) is Flat else None
+
+
 class FlatNames:
     """Flat states {names[i]: tensors[i]} of plain tensors (a rank's items in a distributed save),
     flattened as `flatten` would flatten that dict (without `share`) but without walking it: the
