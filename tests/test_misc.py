@@ -820,6 +820,20 @@ def test_the_scale_bench_also_judges_a_restore_by_the_disk_probed_just_before_it
                                                                                    "read_gbps": 2.0}}, "rows": [row]}))
 
 
+def test_the_scale_bench_prints_a_gpu_runs_result_on_a_machine_without_one(capsys):
+    """The summary of a size prints a GPU run's ceilings (the GPU codecs' rates, a branch only a GPU
+    run reaches) and its rows from that run's recorded result (GPU run 306, committed)."""
+    import json
+    from pathlib import Path
+
+    scale = _script("scale")
+    recorded = Path(__file__).resolve().parent.parent / "docs/bench/2026-11-28-h200-run306-scale24-side.json"
+    scale.print_size(json.loads(recorded.read_text())["scale"][0])
+    out = capsys.readouterr().out
+    assert "GPU ANS encode 384.2 GB/s alone on one batch of 256 chunks (this state at that rate: 63 ms" in out, out
+    assert "| tiered_overlap | 81.6 (76.1–87.1) |" in out and "| dcp_pinned | 827.6 (807.0–848.2) |" in out, out
+
+
 def test_the_scale_bench_says_which_steps_of_a_window_a_warm_save_slowed():
     """Each save's steps are set against the same steps of the window just before it; the row
     keeps the median of each step's extra over the warm saves (the first, cold, save left out)."""
