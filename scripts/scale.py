@@ -218,7 +218,7 @@ def print_size(out: dict) -> None:
           + (" (one rank alone); all %d ranks at once: write %s GB/s, read %s GB/s" % (
               together["ranks"], together["write_gbps"], together["read_gbps"]) if together else "")
           + (f", pinned D2H {c['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in c else "")
-          + (f", GPU ANS encode {ans} GB/s alone on one batch of 256 chunks (this state at that rate: "
+          + (f", GPU ANS encode {ans} GB/s alone on one batch of up to 256 chunks (this state at that rate: "
              f"{1e3 * out['state_gb'] / ans:.0f} ms of the whole GPU; a traced 24 GB save's ANS kernels ran at ~700 "
              "GB/s, GPU run 295)" if ans else ""))
     print("| method | stall ms warm median (range) | first save stall ms | saves 3+: stall ms median (range) | call ms "
