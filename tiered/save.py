@@ -244,12 +244,16 @@ class SavePipeline:
             return sorted(self._inflight)
 
     # --- staging, in the caller's thread ---------------------------------------------------------
-    def _begin(self, step: int, leaves: Sequence[Any]) -> Any:
+    def _begin(self, step: int, leaves: Sequence[Any], rank_only: bool = False) -> Any:
         """Start `step` on the tier that takes it and return that tier: the fast tier; with
         ``on_fast_tier_error: next_tier``, the next tier where the fast one cannot take the step
         (its step directory cannot be made: permission denied, read-only or missing filesystem;
-        or it has less free space than the step may need)."""
+        or it has less free space than the step may need). With `rank_only`, this rank's part of
+        a distributed step, on the fast tier."""
         fast = self.tier
+        if rank_only:
+            fast.begin_rank(step, self.rank)
+            return fast
         if self.config.on_fast_tier_error == "fail" or fast.has_step(step):
             fast.begin_step(step)  # (a committed step is refused here, whatever the setting)
             return fast
@@ -295,11 +299,7 @@ class SavePipeline:
         self.wait_planned()
         skeleton, leaves = tree.flatten(state_dict, share=not rank_only)  # (DCP's items are its own)
         t1 = time.perf_counter()
-        if rank_only:
-            self.tier.begin_rank(step, self.rank)
-            tier = self.tier
-        else:
-            tier = self._begin(step, leaves)
+        tier = self._begin(step, leaves, rank_only)
         t2 = time.perf_counter()
         plan = self._plan(tier, leaves, tree.structure_of(state_dict))
         handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
@@ -428,11 +428,7 @@ class SavePipeline:
                 skeleton, leaves = tree.flatten(state, share=not job.rank_only)
                 job.state = None
                 t1 = time.perf_counter()
-                if job.rank_only:
-                    self.tier.begin_rank(job.step, self.rank)
-                    tier = job.tier = self.tier
-                else:
-                    tier = job.tier = self._begin(job.step, leaves)
+                tier = job.tier = self._begin(job.step, leaves, job.rank_only)
                 t2 = time.perf_counter()
                 plan = self._plan(tier, leaves, tree.structure_of(state))
                 del state
