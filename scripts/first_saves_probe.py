@@ -25,20 +25,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from gptmodel import GPT, batch, stdlib_corpus  # noqa: E402
+from scale_measure import allocator_counts  # noqa: E402
 import tiered  # noqa: E402
 
 GiB = 1 << 30
-KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
-
-
-def allocator_counts() -> dict:
-    d = torch.cuda.memory_stats()
-    out = {k: d.get(k, 0) for k in KEYS}
-    h = torch.cuda.host_memory_stats()
-    out.update(host_alloc=h.get("num_host_alloc", 0), host_free=h.get("num_host_free", 0))
-    return out
-
-
 def new_segments(snapshot: dict) -> list[str]:
     lines = []
     for trace in snapshot["device_traces"]:
@@ -87,7 +77,7 @@ def main() -> None:
     def window(save: bool) -> float:
         count[0] += 1
         torch.cuda.synchronize()
-        before = allocator_counts()
+        before = allocator_counts("cuda")
         t0 = time.perf_counter()
         handle = engine.save(count[0], state) if save else None
         call = 1e3 * (time.perf_counter() - t0)
@@ -99,7 +89,7 @@ def main() -> None:
         wall = 1e3 * (time.perf_counter() - t0)
         if handle is not None:
             handle.wait()
-            after = allocator_counts()
+            after = allocator_counts("cuda")
             print(f"save {count[0]}: window {wall:.0f} ms, call {call:.1f} ms, steps "
                   f"{[round(1e3 * (b - a)) for a, b in zip([t0] + marks, marks)]}", flush=True)
             print(f"  phases {({k: round(v, 1) for k, v in handle.timings.items()})}", flush=True)
