@@ -1,6 +1,7 @@
 """Can a save's GPU work run on a share of the SMs, and does a training step lose less? (issue 14)
 
-    python3 scripts/sm_share_probe.py [--gb 2.4] [--sms 16,32,66] [--batch 192] [--rounds 4] [--out F]
+    python3 scripts/sm_share_probe.py [--gb 2.4] [--sms 16,32,66] [--batch 192] [--rounds 4] [--split]
+        [--batches 256,1024] [--out F]
 
 At scale a save's GPU work is ANS compression of the state into slab rows, then the drain's kernel
 that zeroes each row's padding, checksums it and packs it (`tiered.gpu_checksum`). Beside a
@@ -19,9 +20,17 @@ kernels, in the primary context, still use them all. This probe:
 
 Prints a line per measurement and writes them to --out as JSON. No timing is asserted anywhere.
 
+With `--split`, steps are also timed with ANS alone and with the pack kernel alone; with
+`--batches`, with ANS in calls of that many chunks each (a save's waves: 256 with the default
+pack buffer), and ANS alone is timed in such calls too.
+
 Run 277 (H100, docs/benchmarks.md session 29): the step lost about what the work takes of the
 whole GPU alone (+4.0 to +5.0 ms against 5.2 ms), on 16, 32, 66 or all 132 SMs; the green
 contexts' output differed from the ordinary stream's. Nothing of it went into the engine.
+Runs 308-309 (H200, session 36; 19,073 MiB, `--sms ""`): ANS 20.0 ms alone in one call, the pack
+9.8 ms; a step lost +17.7 and +8.6 ms for them, +27.3 together; ANS in calls of 256 / 1,024 /
+4,096 chunks took 29.5 / 20.7 / 19.1 ms alone and cost a step +26.0 / +17.4 / +18.6 ms. Waves
+of 1,024 chunks in the engine did not lower the scale bench's stall (runs 310-311): not adopted.
 """
 
 from __future__ import annotations
@@ -76,10 +85,16 @@ class Work:
         self.sizes_gpu = None
         self.offsets = None
 
-    def encode(self, stream: torch.cuda.Stream):
+    def encode(self, stream: torch.cuda.Stream, batch: int = 0):
+        """ANS of every chunk: one batched call, or (`batch`) calls of `batch` chunks each, as a
+        save's waves make them (the last call's pending sizes returned)."""
+        batch = batch or self.n
         with torch.cuda.stream(stream):
-            return self.codec.encode_batch(stream, MiB, self.src, [k * MiB for k in range(self.n)], [MiB] * self.n,
-                                           self.slab.view(-1), [k * self.stride for k in range(self.n)], self.stride)
+            for a in range(0, self.n, batch):
+                b = min(a + batch, self.n)
+                pending = self.codec.encode_batch(stream, MiB, self.src, [k * MiB for k in range(a, b)], [MiB] * (b - a),
+                                                  self.slab.view(-1), [k * self.stride for k in range(a, b)], self.stride)
+        return pending
 
     def settle(self, pending) -> None:
         """The sizes nvCOMP wrote, on the GPU, and each row's offset in the pack buffer (words)."""
@@ -145,6 +160,12 @@ def main() -> int:
     ap.add_argument("--sms", default="16,32,66")
     ap.add_argument("--batch", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--split", action="store_true",
+                    help="also time steps with ANS alone and with the pad-checksum-pack kernel alone, on the "
+                         "ordinary stream: what each part of a save's GPU work costs a step")
+    ap.add_argument("--batches", default="",
+                    help="comma-separated chunks per ANS call (a save's waves: 256 with the default pack buffer): "
+                         "time ANS alone in calls of each size, and steps with it")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out: dict = {"api": api(), "gb": args.gb}
@@ -184,6 +205,11 @@ def main() -> int:
         alone[name] = {"encode_ms": statistics.median(enc), "drain_ms": statistics.median(dr)}
         print(f"alone, {name}: ANS {alone[name]['encode_ms']:.1f} ms, pad-checksum-pack {alone[name]['drain_ms']:.1f} ms "
               f"for {work.n} MiB", flush=True)
+    batches = [int(x) for x in args.batches.split(",") if x]
+    for b in batches:
+        enc = [gpu_ms(normal, lambda: work.encode(normal, b)) for _ in range(3)]
+        alone[f"ans/{b}"] = {"encode_ms": statistics.median(enc)}
+        print(f"alone, ANS in calls of {b} chunks: {alone[f'ans/{b}']['encode_ms']:.1f} ms for {work.n} MiB", flush=True)
     out["alone"] = alone
 
     step = trainer(args.batch)
@@ -191,6 +217,14 @@ def main() -> int:
         step()
     torch.cuda.synchronize()
     kinds = ["none"] + list(streams)
+    parts = {k: None for k in streams}  # (kind: None for both kernels, else "encode" or "drain" alone)
+    if args.split:
+        for part in ("encode", "drain"):
+            parts[f"normal -5 {part}"] = part
+            kinds.append(f"normal -5 {part}")
+    for b in batches:
+        parts[f"ans/{b}"] = b
+        kinds.append(f"ans/{b}")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
         for k in (kinds if r % 2 == 0 else kinds[::-1]):
@@ -200,8 +234,15 @@ def main() -> int:
                 if k == "none":
                     step()
                 else:  # the optimizer step waits for the save's work, as `Engine.guard` makes it
-                    work.run(streams[k])
-                    step(lambda: torch.cuda.current_stream().wait_stream(streams[k]))
+                    s = streams.get(k, normal)
+                    if isinstance(parts[k], int):
+                        work.encode(s, parts[k])
+                    else:
+                        if parts[k] != "drain":
+                            work.encode(s)
+                        if parts[k] != "encode":
+                            work.drain(s)
+                    step(lambda: torch.cuda.current_stream().wait_stream(s))
                 torch.cuda.synchronize()
                 times[k].append((time.perf_counter() - t0) * 1e3)
     base = statistics.median(times["none"])
