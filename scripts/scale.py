@@ -79,6 +79,7 @@ import torch
 from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync,
                            tensors_of, world)
 from scale_methods import METHODS, close_shared, row_spec, tiered_engine
+from tiered.units import format_size
 
 GiB = 1 << 30
 
@@ -130,11 +131,12 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     rows = []
     try:
         for k, name in enumerate(methods):
-            base_name, row_codec, interval = row_spec(name)
+            base_name, row_codec, interval, pack = row_spec(name)
             fn, note = METHODS[base_name]
-            run.codec = row_codec or codec
+            run.codec, run.pack_buffer = row_codec or codec, pack
             row = Row(name, note + (f"; codec: {row_codec}" if row_codec else "")
-                      + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else ""))
+                      + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else "")
+                      + (f"; budgets.pack_buffer: {format_size(pack)}" if pack else ""))
             old_interval = sys.getswitchinterval()
             try:
                 if name.startswith("tiered"):

@@ -501,6 +501,8 @@ class Run:
     "summary" keeps its summary in the row, a path prefix also writes each row's chrome trace there."""
     codec: str = "auto"
     """The tiered rows' fast-tier codec: the default config's `auto`, or one pinned (`--codec`)."""
+    pack_buffer: int | None = None
+    """The tiered row's `budgets.pack_buffer` where its name pins one (`ROW/SIZE`), else the default."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""

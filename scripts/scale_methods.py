@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import tiered
+from tiered.units import parse_size
 from baselines import dir_bytes
 from scale_measure import (Row, Run, barrier, dist_group, done_at, gpu_free, measure, rank, restore_check, rss, say,
                            tensors_of)
@@ -20,18 +21,21 @@ def tiered_engine(run: Run) -> Any:
     """The size's tiered engine, made (and its host memory pinned, its saves laid out) the first
     time a tiered row asks."""
     engine = run.shared.get("engine")
-    if engine is not None and run.shared.get("codec") != run.codec:  # (a row of another codec: its own engine)
+    if engine is not None and run.shared.get("config") != (run.codec, run.pack_buffer):  # (its own engine)
         close_shared(run)
         engine = None
     if engine is None:
         cfg = tiered.load_config(None)
-        doc = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered"),
-                          **({} if run.codec == "auto" else {"codec": run.codec})}]}
+        doc: dict = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered"),
+                                **({} if run.codec == "auto" else {"codec": run.codec})}]}
+        if run.pack_buffer is not None:
+            doc["budgets"] = {"pack_buffer": run.pack_buffer}
         rss0, gpu0, t0 = rss(), gpu_free(run.device), time.perf_counter()
         engine = run.shared["engine"] = tiered.Engine.from_config(doc)
         engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
         engine.wait_pinned()
-        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0, gpu_free0=gpu0, codec=run.codec)
+        run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0, gpu_free0=gpu0,
+                          config=(run.codec, run.pack_buffer))
         say(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s")
     return engine
 
@@ -216,18 +220,33 @@ METHODS = {
 }
 
 
-def row_spec(name: str) -> tuple[str, str, float | None]:
-    """(method, codec or "", switch interval in ms or None) of a row named on the command line:
-    METHOD[:CODEC][@MS] (tiered_overlap:none: that row's codec pinned; tiered_overlap@0.1: Python's
-    switch interval during the row). ValueError naming what is wrong."""
-    spec, at, interval = name.partition("@")
+def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
+    """(method, codec or "", switch interval in ms or None, pack buffer bytes or None) of a row
+    named on the command line: METHOD[:CODEC][@MS][/PACK] (tiered_overlap:none: that row's codec
+    pinned; tiered_overlap@0.1: Python's switch interval during the row; tiered_overlap/1GiB: that
+    row's engine with `budgets.pack_buffer: 1GiB`, so a save's waves of 1 MiB chunks are up to
+    1,024 chunks, not 256). ValueError naming what is wrong. Compare rows of different budgets in
+    separate processes: an engine made after another closed finds less GPU memory free than the
+    first did (the first's buffers stay in torch's cache) and sizes its slab from that (GPU run
+    309); emptying the cache in between gives training's cached blocks back too, and training
+    then ran out of memory beside the new engine's slab (run 310)."""
+    spec, slash, pack_text = name.partition("/")
+    spec, at, interval = spec.partition("@")
     base, _, codec = spec.partition(":")
     if base not in METHODS:
-        raise ValueError(f"{name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC and @MS")
+        raise ValueError(f"{name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC, @MS and /PACK")
     try:
         ms = float(interval) if at else None
     except ValueError:
         ms = None
     if at and not (ms and ms > 0):
         raise ValueError(f"{name!r}: @{interval} is not a switch interval in ms (a positive number)")
-    return base, codec, ms
+    pack = None
+    if slash:
+        if not base.startswith("tiered"):
+            raise ValueError(f"{name!r}: /PACK sets a tiered row's budgets.pack_buffer; {base} has none")
+        try:
+            pack = parse_size(pack_text)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name!r}: /{pack_text} is not a size ({exc})") from None
+    return base, codec, ms, pack

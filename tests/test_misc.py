@@ -993,3 +993,16 @@ def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
     save_one = lambda n: (traced_now.__setitem__(0, True), n)[1]  # noqa: E731 - out of memory in save 1's window
     with pytest.raises(torch.OutOfMemoryError):
         sm.measure(sm.Row("tiered"), run, 0.0, save_one, lambda step: time.perf_counter(), lambda n: None)
+
+
+def test_the_scale_bench_reads_a_rows_codec_switch_interval_and_pack_buffer_from_its_name():
+    methods = _script("scale_methods")
+    assert methods.row_spec("tiered_overlap") == ("tiered_overlap", "", None, None)
+    assert methods.row_spec("tiered_overlap:none@0.1/1GiB") == ("tiered_overlap", "none", 0.1, 1 << 30)
+    assert methods.row_spec("tiered/512MiB") == ("tiered", "", None, 512 << 20)
+    with pytest.raises(ValueError, match="dcp_pinned has none"):
+        methods.row_spec("dcp_pinned/1GiB")
+    with pytest.raises(ValueError, match="not a size"):
+        methods.row_spec("tiered_overlap/lots")
+    with pytest.raises(ValueError, match="switch interval"):
+        methods.row_spec("tiered_overlap@0/1GiB")
