@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -40,6 +40,13 @@ class PlanReuse:
         self._plan: SavePlan | None = None
         self._metadata: Any = None
         self._sources: list[tuple[int, int]] = []
+        """Per item of the plan: (its leaf's position in `walk`'s leaves, its kind)."""
+        self._positions: list[int] = []
+        """Per item: its leaf's position (`_sources`' first column, for `Resolve.batch`)."""
+        self._locals: list[int] = []
+        """The items that are a DTensor's local tensor."""
+        self._bytes: list[int] = []
+        """The items that are values serialized (BYTE_IO)."""
         self._serialized: dict[int, tuple[bytes, bytes]] = {}
         """Per leaf serialized for a BYTE_IO item: (its pickle, its torch.save bytes) last time."""
         self.token: object | None = None
@@ -76,35 +83,9 @@ class PlanReuse:
         assert self._plan is not None
         return self._plan, self._metadata
 
-    def resolver(self, leaves: list) -> Callable[[int, WriteItem], Any]:
-        """`resolve(i, item)`: the data of the plan's item i, from this save's `leaves`."""
-        sources, serialized = self._sources, self._serialized
-
-        def resolve(i: int, item: WriteItem) -> Any:
-            pos, kind = sources[i]
-            obj = leaves[pos]
-            if kind == _TENSOR:
-                return obj
-            if kind == _LOCAL:
-                return obj.to_local()
-            # As DefaultSavePlanner.transform_object serializes a value, but torch.save (a zip
-            # archive, ~0.1 ms) runs only where the value changed: an optimizer's hyperparameters
-            # (a dozen per param group) mostly do not. Compared by their pickle, not by `==` on a
-            # kept object that the caller may have changed in place since.
-            try:
-                key = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:  # noqa: BLE001 - not picklable plainly: torch.save decides
-                key = None
-            got = serialized.get(pos)
-            if key is not None and got is not None and got[0] == key:
-                return io.BytesIO(got[1])
-            data = io.BytesIO()
-            torch.save(obj, data)
-            if key is not None:
-                serialized[pos] = (key, data.getvalue())
-            return data
-
-        return resolve
+    def resolver(self, leaves: list) -> "Resolve":
+        """The data of the last plan's items, from this save's `leaves` (`Resolve`)."""
+        return Resolve(self._sources, self._positions, self._locals, self._bytes, self._serialized, leaves)
 
     def remember(self, sig: list, leaves: list, paths: list[tuple], planner: SavePlanner, plan: SavePlan,
                  metadata: Any) -> None:
@@ -131,8 +112,65 @@ class PlanReuse:
             else:
                 return
         self._sig, self._plan, self._metadata, self._sources = sig, plan, metadata, sources
+        self._positions = [pos for pos, _ in sources]
+        self._locals = [j for j, (_, kind) in enumerate(sources) if kind == _LOCAL]
+        self._bytes = [j for j, (_, kind) in enumerate(sources) if kind == _BYTES]
         self._serialized = {}
         self.token = object()
+
+
+class Resolve:
+    """A reused plan's items' data from one save's leaves: `resolve(i, item)` gives item i's, as
+    a planner's `resolve_data` does (the tensor itself, a DTensor's local tensor, or a value
+    serialized into a BytesIO); `batch()` gives every item's at once, in the plan's order, by
+    position rather than item by item (`StepWriter.items`: thousands of items a save, on the
+    training thread). It holds the plan's lists as they were when it was made."""
+
+    __slots__ = ("_sources", "_positions", "_locals", "_bytes", "_serialized", "_leaves")
+
+    def __init__(self, sources: list[tuple[int, int]], positions: list[int], local_items: list[int],
+                 byte_items: list[int], serialized: dict[int, tuple[bytes, bytes]], leaves: list):
+        self._sources, self._positions, self._locals, self._bytes = sources, positions, local_items, byte_items
+        self._serialized, self._leaves = serialized, leaves
+
+    def __call__(self, i: int, item: WriteItem) -> Any:
+        pos, kind = self._sources[i]
+        obj = self._leaves[pos]
+        if kind == _TENSOR:
+            return obj
+        if kind == _LOCAL:
+            return obj.to_local()
+        return _serialize(self._serialized, pos, obj)
+
+    def batch(self) -> tuple[list, list[int]]:
+        """(every item's data, in the plan's order; the positions in it of the serialized values)."""
+        leaves = self._leaves
+        out = [leaves[p] for p in self._positions]
+        for j in self._locals:
+            out[j] = out[j].to_local()
+        for j in self._bytes:
+            out[j] = _serialize(self._serialized, self._positions[j], out[j])
+        return out, self._bytes
+
+
+def _serialize(kept: dict[int, tuple[bytes, bytes]], pos: int, obj: Any) -> io.BytesIO:
+    """Leaf `pos` (`obj`), a value, serialized as DefaultSavePlanner.transform_object does, but
+    torch.save (a zip archive, ~0.1 ms) runs only where the value changed since the plan's last
+    save (`kept`: per leaf, its pickle and its torch.save bytes then): an optimizer's
+    hyperparameters (a dozen per param group) mostly do not. Compared by their pickle, not by `==`
+    on a kept object that the caller may have changed in place since."""
+    try:
+        key = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - not picklable plainly: torch.save decides
+        key = None
+    got = kept.get(pos)
+    if key is not None and got is not None and got[0] == key:
+        return io.BytesIO(got[1])
+    data = io.BytesIO()
+    torch.save(obj, data)
+    if key is not None:
+        kept[pos] = (key, data.getvalue())
+    return data
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -72,6 +72,14 @@ names): a distributed save reuses its plan while the state keeps its structure
 (tiered.dcp_reuse), so the names, paths and skeleton are made once, not per save."""
 
 
+def _bytes_tensor(data: io.BytesIO) -> tuple[torch.Tensor, int]:
+    """A serialized value (a BYTE_IO item's data) as a uint8 tensor of its bytes, and their count."""
+    n = data.getbuffer().nbytes
+    if not n:
+        return torch.empty(0, dtype=torch.uint8), 0
+    return torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8), n
+
+
 def _flat_names(plan: SavePlan) -> tree.FlatNames:
     global _layout
     last, layout = _layout
@@ -170,16 +178,29 @@ class StepWriter(StorageWriter):
         serialized into uint8 tensors, projections made contiguous), already flattened: the
         state {item name: tensor}, without a walk of it per save. `structure`: a reused plan's
         token (`PlanReuse.token`), which stands for its tensor items' dtypes, shapes and devices;
-        with the serialized items' sizes it is the flat state's `structure`."""
-        tensors: list[torch.Tensor] = []
-        sizes: list[int] = []
+        with the serialized items' sizes it is the flat state's `structure`. With it, `resolve`
+        (a reused plan's: tiered.dcp_reuse.Resolve) gives every item's data at once, and the
+        per-item work here is a few passes over them (3-4 µs an item item by item: 8.6 ms of a
+        distributed call of 5,240 items on the CPU machine, session 36)."""
+        batch = getattr(resolve, "batch", None) if structure is not None else None
+        if batch is not None:
+            tensors, serialized = batch()
+            sizes = []
+            for j in serialized:
+                tensors[j], n = _bytes_tensor(tensors[j])
+                sizes.append(n)
+            for j in [j for j, t in enumerate(tensors) if t.requires_grad]:
+                tensors[j] = tensors[j].detach()  # (the others stay the very tensors: see the loop below)
+            for j in [j for j, t in enumerate(tensors) if not t.is_contiguous()]:
+                tensors[j] = tensors[j].contiguous()
+            return _flat_names(plan).flatten(tensors, (structure, tuple(sizes)))
+        tensors = []
+        sizes = []
         for i, item in enumerate(plan.items):
             data = resolve(i, item)
             if item.type == WriteItemType.BYTE_IO:
-                n = data.getbuffer().nbytes
+                data, n = _bytes_tensor(data)
                 sizes.append(n)
-                data = torch.frombuffer(bytearray(data.getbuffer()), dtype=torch.uint8) if n \
-                    else torch.empty(0, dtype=torch.uint8)
             elif not isinstance(data, torch.Tensor):
                 raise TypeError(f"{item_name(item.index)}: the planner resolved a {type(data).__name__}, not a tensor")
             else:
