@@ -180,7 +180,7 @@ class StepWriter(StorageWriter):
         token (`PlanReuse.token`), which stands for its tensor items' dtypes, shapes and devices;
         with the serialized items' sizes it is the flat state's `structure`. With it, `resolve`
         (a reused plan's: tiered.dcp_reuse.Resolve) gives every item's data at once, and the
-        per-item work here is a few passes over them (3-4 µs an item item by item: 8.6 ms of a
+        per-item work here is a few passes over them (item by item, ~1.6 µs an item: 8.6 ms of a
         distributed call of 5,240 items on the CPU machine, session 36)."""
         batch = getattr(resolve, "batch", None) if structure is not None else None
         if batch is not None:
