@@ -228,8 +228,8 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
     1,024 chunks, not 256). ValueError naming what is wrong. Compare rows of different budgets in
     separate processes: an engine made after another closed finds less GPU memory free than the
     first did (the first's buffers stay in torch's cache) and sizes its slab from that (GPU run
-    309); emptying the cache in between gives training's cached blocks back too, and training
-    then ran out of memory beside the new engine's slab (run 310)."""
+    309); with the cache emptied in between, the next row's training ran out of GPU memory before
+    its first save (run 310; not investigated)."""
     spec, slash, pack_text = name.partition("/")
     spec, at, interval = spec.partition("@")
     base, _, codec = spec.partition(":")
