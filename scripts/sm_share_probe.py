@@ -217,7 +217,8 @@ def main() -> int:
         step()
     torch.cuda.synchronize()
     kinds = ["none"] + list(streams)
-    parts = {k: None for k in streams}  # (kind: None for both kernels, else "encode" or "drain" alone)
+    parts: dict = {k: None for k in streams}  # (None: both kernels; "encode" or "drain": that one alone;
+    #  an int: ANS alone in calls of that many chunks)
     if args.split:
         for part in ("encode", "drain"):
             parts[f"normal -5 {part}"] = part
