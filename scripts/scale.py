@@ -134,7 +134,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
             base_name, row_codec, interval, pack = row_spec(name)
             fn, note = METHODS[base_name]
             run.codec, run.pack_buffer = row_codec or codec, pack
-            row = Row(name, note + (f"; codec: {row_codec}" if row_codec else "")
+            row = Row(name, note + (f"; codec: {row_codec}" if row_codec and not base_name.endswith("_load") else "")
                       + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else "")
                       + (f"; budgets.pack_buffer: {format_size(pack)}" if pack else ""))
             old_interval = sys.getswitchinterval()

@@ -1,5 +1,7 @@
 """The scale bench's methods, one row each (scripts/scale.py lists them): tiered strict and
-guarded, DCP with a pinned cache and with async staging, torch.save."""
+guarded, DCP with a pinned cache and with async staging, torch.save; and two rows that save
+nothing, to price one part of a save's work alone beside the loop: `gil_load` (Python on another
+thread) and `d2h_load` (copies to pinned host memory by the copy engines)."""
 
 from __future__ import annotations
 
@@ -205,6 +207,147 @@ def run_torch_save(row: Row, run: Run, base: float) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def load_spec(method: str, text: str, defaults: tuple[float, ...], form: str) -> tuple[float, ...]:
+    """The numbers of a `METHOD:AxBxC` row (`x` between them, as `--methods` is comma-separated),
+    the missing ones from `defaults`. ValueError naming what is wrong."""
+    if not text:
+        return defaults
+    try:
+        values = [float(v) for v in text.split("x")]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= len(defaults) or any(v < 0 for v in values) or values[0] <= 0:
+        raise ValueError(f"{method}:{text}: expected {form}, numbers x-separated, the first positive")
+    return tuple(values) + defaults[len(values):]
+
+
+def gil_load_spec(text: str) -> tuple[float, float, float]:
+    """(total, burst, span) in ms of a `gil_load:TOTAL[xBURST[xSPAN]]` row (defaults: 100 ms in
+    bursts of 0.5 ms over 500 ms)."""
+    total, burst, span = load_spec("gil_load", text, (100.0, 0.5, 500.0), "TOTAL[xBURST[xSPAN]] in ms")
+    if not 0 < burst <= total:
+        raise ValueError(f"gil_load:{text}: a burst of {burst} ms: it must be positive and at most the total ({total} ms)")
+    return total, burst, span
+
+
+def d2h_load_spec(text: str) -> tuple[float, float]:
+    """(GB, span ms) of a `d2h_load:GB[xSPAN]` row (defaults: 20 GB, issued at once)."""
+    gb, span = load_spec("d2h_load", text, (20.0, 0.0), "GB[xSPAN ms]")
+    return gb, span
+
+
+def gil_burn(total_ms: float, burst_ms: float, span_ms: float) -> None:
+    """Run pure Python for `total_ms` of this thread's CPU time, in bursts of `burst_ms` spread
+    evenly over `span_ms` of wall time (a burst that starts late runs at once): the GIL held
+    as a save's threads hold it, in short pieces between the training thread's launches."""
+    n = max(1, round(total_ms / burst_ms))
+    t0 = time.perf_counter()
+    for i in range(n):
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < burst_ms / 1e3:
+            pass
+        rest = t0 + (i + 1) * span_ms / 1e3 / n - time.perf_counter()
+        if rest > 0:
+            time.sleep(rest)
+
+
+def run_gil_load(row: Row, run: Run, base: float) -> None:
+    """No save: at each save's point a thread (started before the windows) runs `gil_burn`, and
+    the window measures what that Python alone costs training (the row's stall). Nothing is
+    stored or restored."""
+    import queue
+    import threading
+
+    total, burst, span = gil_load_spec(run.codec if run.codec != "auto" else "")  # (the row's ":" part)
+    asks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def serve() -> None:
+        while (box := asks.get()) is not None:
+            gil_burn(total, burst, span)
+            box.append(time.perf_counter())
+
+    worker = threading.Thread(target=serve, name="gil-load", daemon=True)
+    worker.start()
+
+    def start(n: int) -> list:
+        box: list[float] = []
+        asks.put(box)
+        return box
+
+    def durable(box: list) -> float:
+        while not box:
+            time.sleep(0.001)
+        return box[0]
+
+    try:
+        measure(row, run, base, start, durable, lambda n: None)
+    finally:
+        asks.put(None)
+        worker.join()
+    row.extra["gil_load_ms"] = {"total": total, "burst": burst, "span": span}
+
+
+def run_d2h_load(row: Row, run: Run, base: float) -> None:
+    """No save: at each save's point, GB of the state's GPU tensors (in order, from the first again
+    once all are issued) are copied to pinned host memory on a stream of their own, by the copy
+    engines, as a save's drain does (into a 1 GiB ring, overwritten: only the traffic counts);
+    issued at once, or in even pieces over SPAN ms. The window measures what that traffic alone
+    costs training. Nothing is stored or restored."""
+    import threading
+
+    gb, span = d2h_load_spec(run.codec if run.codec != "auto" else "")
+    if run.device != "cuda":
+        raise ValueError("d2h_load needs a GPU")
+    sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors_of(run.state) if t.is_cuda and t.numel()]
+    ring = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()
+    pieces: list[tuple[torch.Tensor, int]] = []  # (source, where in the ring)
+    want, at, k = int(gb * 1e9), 0, 0
+    while want > 0:
+        src = sources[k % len(sources)][:min(want, ring.numel())]
+        if at + src.numel() > ring.numel():
+            at = 0
+        pieces.append((src, at))
+        at, want, k = at + src.numel(), want - src.numel(), k + 1
+
+    def issue(part) -> None:
+        with torch.cuda.stream(stream):
+            for src, where in part:
+                ring[where:where + src.numel()].copy_(src, non_blocking=True)
+
+    def start(n: int):
+        stream.wait_stream(torch.cuda.current_stream())
+        done = torch.cuda.Event()
+        if span <= 0:
+            issue(pieces)
+            done.record(stream)
+            return done, None
+        steps = max(1, int(span // 10))  # a piece every 10 ms
+
+        def paced() -> None:
+            t0 = time.perf_counter()
+            for i in range(steps):
+                issue(pieces[i * len(pieces) // steps:(i + 1) * len(pieces) // steps])
+                rest = t0 + (i + 1) * span / 1e3 / steps - time.perf_counter()
+                if rest > 0:
+                    time.sleep(rest)
+            done.record(stream)
+
+        th = threading.Thread(target=paced, name="d2h-load", daemon=True)
+        th.start()
+        return done, th
+
+    def durable(result) -> float:
+        done, th = result
+        if th is not None:
+            th.join()
+        done.synchronize()
+        return time.perf_counter()
+
+    measure(row, run, base, start, durable, lambda n: None)
+    row.extra["d2h_load"] = {"gb": gb, "span_ms": span, "copies": len(pieces)}
+
+
 METHODS = {
     "tiered": (run_tiered, "Engine.save, embedded default config"),
     "tiered_overlap": (run_tiered_overlap, "the same engine with engine.guard(optimizer): the state is read beside "
@@ -217,6 +360,10 @@ METHODS = {
     "dcp_pinned": (run_dcp_pinned, "async_save, one FileSystemWriter(cache_staged_state_dict=True) reused"),
     "dcp_stager": (run_dcp_stager, "async_save + DefaultStager(use_async_staging=True), waited for before optimizer.step"),
     "torch_save": (run_torch_save, "torch.save + fsync: synchronous"),
+    "gil_load": (run_gil_load, "no save: Python on another thread at each save's point, TOTAL ms of its CPU in "
+                               "BURST-ms pieces over SPAN ms (gil_load:TOTAL[xBURST[xSPAN]]; default 100x0.5x500)"),
+    "d2h_load": (run_d2h_load, "no save: GB of the state's GPU tensors copied to pinned host memory at each save's "
+                               "point by the copy engines, at once or over SPAN ms (d2h_load:GB[xSPAN]; default 20x0)"),
 }
 
 
@@ -241,6 +388,8 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
         ms = None
     if at and not (ms and ms > 0):
         raise ValueError(f"{name!r}: @{interval} is not a switch interval in ms (a positive number)")
+    if base in ("gil_load", "d2h_load"):  # (their ":" part is the load, not a codec)
+        (gil_load_spec if base == "gil_load" else d2h_load_spec)(codec)
     pack = None
     if slash:
         if not base.startswith("tiered"):

@@ -995,6 +995,29 @@ def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
         sm.measure(sm.Row("tiered"), run, 0.0, save_one, lambda step: time.perf_counter(), lambda n: None)
 
 
+def test_the_scale_benchs_load_rows_read_their_load_and_gil_load_holds_the_gil_that_long():
+    """`gil_load:TOTALxBURSTxSPAN` and `d2h_load:GBxSPAN` (no save: one part of a save's work
+    alone): their specs are checked when the row is named, and gil_load's burn takes its total
+    of the thread's CPU time over about its span. (d2h_load needs a GPU: GPU runs.)"""
+    methods = _script("scale_methods")
+    assert methods.row_spec("gil_load:50x1x200") == ("gil_load", "50x1x200", None, None)
+    assert methods.gil_load_spec("") == (100.0, 0.5, 500.0)
+    assert methods.gil_load_spec("40") == (40.0, 0.5, 500.0)
+    assert methods.gil_load_spec("40x2") == (40.0, 2.0, 500.0)
+    for bad in ("gil_load:x", "gil_load:0", "gil_load:10x20", "gil_load:1x2x3x4", "gil_load:10x0"):
+        with pytest.raises(ValueError, match="gil_load:"):
+            methods.row_spec(bad)
+    assert methods.row_spec("d2h_load:8x300") == ("d2h_load", "8x300", None, None)
+    assert methods.d2h_load_spec("") == (20.0, 0.0) and methods.d2h_load_spec("4") == (4.0, 0.0)
+    for bad in ("d2h_load:0", "d2h_load:4x-1", "d2h_load:1x2x3", "d2h_load:lots"):
+        with pytest.raises(ValueError, match="d2h_load:"):
+            methods.row_spec(bad)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    methods.gil_burn(30, 5, 120)
+    cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+    assert 0.030 <= cpu < 0.060 and wall >= 0.115, (cpu, wall)
+
+
 def test_the_scale_bench_reads_a_rows_codec_switch_interval_and_pack_buffer_from_its_name():
     methods = _script("scale_methods")
     assert methods.row_spec("tiered_overlap") == ("tiered_overlap", "", None, None)
