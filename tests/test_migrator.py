@@ -620,6 +620,67 @@ def test_a_copy_reads_small_windows_first_then_doubles_them(tmp_path):
     assert max(sizes) == WINDOW_BYTES
 
 
+def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_once(tmp_path):
+    """A local file's reader reads two windows at once (`LocalDataReader.parallel_reads`): the next
+    one and one ahead, so the first lands alone instead of with the 120 MiB read beside it; a
+    shared filesystem's reads more (`SHARED_PARALLEL_READS`), and a reader that does not say,
+    `_READERS`. Reads start in file order."""
+    import threading
+    import time
+
+    from tiered.cpu import WindowBuffers, chunk_windows, file_order
+    from tiered.format import present_ranks
+    from tiered.tiers.posix import SHARED_PARALLEL_READS
+
+    class Recorder:
+        def __init__(self, inner, hide=False):
+            self.inner, self.hide, self.lock, self.now, self.most, self.starts = inner, hide, threading.Lock(), 0, 0, []
+
+        def __getattr__(self, name):
+            if name == "parallel_reads" and self.hide:
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+        def read_into(self, offset, out):
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+                self.starts.append(offset)
+            time.sleep(0.05)  # (reads overlap as far as the reader lets them)
+            self.inner.read_into(offset, out)
+            with self.lock:
+                self.now -= 1
+
+    mib = 1 << 20
+    state = {f"t{i}": torch.arange(i, i + 6 * mib // 4, dtype=torch.float32) for i in range(40)}  # 240 MiB: 7 windows
+    cfg = {"tiers": [{"name": "nvme", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "none"},
+                     {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared"), "codec": "none"}],
+           "migration": "external", "chunk_size": "1MiB"}
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, state).wait()
+        tier = engine.get_tier("nvme")
+        _, (index,) = present_ranks(tier, 1)
+        shared = engine.get_tier("shared")
+        migrate_step(1, tier, shared, codec=None)
+        shared_reader = shared.open_data_reader(1, index.data_file, device=False)
+        assert shared_reader.parallel_reads == SHARED_PARALLEL_READS > 2
+        shared_reader.close()
+        for hide, most in ((False, 2), (True, None)):
+            inner = tier.open_data_reader(1, index.data_file, device=False)
+            rec, buffers = Recorder(inner, hide), WindowBuffers()
+            try:
+                got = b"".join(bytes(data) for _, data, _ in chunk_windows(file_order(index.tensors), rec, buffers))
+            finally:
+                inner.close()
+            assert len(got) == 240 * mib and rec.starts == sorted(rec.starts)
+            if most is not None:
+                assert rec.most == most, rec.most
+            else:  # the default (8 threads) with windows of 4-64 MiB in 128 MiB of read-ahead: five at once
+                assert rec.most > 2, rec.most
+            data = (tmp_path / "nvme" / "step_000000000001" / index.data_file).read_bytes()
+            assert got == data[:len(got)]
+
+
 def test_a_migrator_keeps_its_read_windows_from_one_step_to_the_next(tmp_path):
     from tiered.cpu import WindowBuffers
 

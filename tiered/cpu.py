@@ -176,9 +176,9 @@ READ_AHEAD_BYTES = 128 << 20
 """Bytes of windows read ahead of the one being processed (at least one window): reads of a
 remote tier (S3's GETs) overlap one another and the verifying and decoding."""
 _READERS = 8
-"""Windows read at once. With 4 at once, a 34 MB step of small tensors (then windows of 3.6 MB,
-a GET each from S3) took 60-70 ms of GETs on the lent H100 machine, about twice boto3's 8
-parallel parts."""
+"""Windows read at once, by default: a reader may say how many suit it (`parallel_reads`). With 4
+at once, a 34 MB step of small tensors (then windows of 3.6 MB, a GET each from S3) took 60-70
+ms of GETs on the lent H100 machine, about twice boto3's 8 parallel parts."""
 
 
 class WindowBuffers:
@@ -222,8 +222,9 @@ def chunk_windows(refs: Sequence[tuple[TensorRecord, int]], reader,
     """(window of chunk refs, their bytes, file offset of those bytes) for `refs` (tensor record,
     chunk number) in file order: windows of chunks lying end to end cross tensor boundaries (a
     state of thousands of small tensors is a few reads, not a read and a pool round trip per
-    tensor), one ranged read each, read ahead on threads of their own (`READ_AHEAD_BYTES`).
-    With `buffers`, each window is read into one of them; the caller gives it back when done."""
+    tensor), one ranged read each, read ahead on threads of their own (`READ_AHEAD_BYTES`), in
+    file order, at most the reader's `parallel_reads` windows at once (`_READERS` where it does
+    not say). With `buffers`, each window is read into one of them; the caller gives it back when done."""
     windows: list[list[tuple[TensorRecord, int]]] = []
     sizes: list[int] = []
     end = 0
@@ -249,13 +250,15 @@ def chunk_windows(refs: Sequence[tuple[TensorRecord, int]], reader,
         reader.read_into(first.offset, out)
         return out, first.offset
 
-    with ThreadPoolExecutor(_READERS, thread_name_prefix="tiered-read") as io:
+    at_once = max(1, int(getattr(reader, "parallel_reads", _READERS)))
+    with ThreadPoolExecutor(at_once, thread_name_prefix="tiered-read") as io:
         ahead: deque = deque()
         nxt = inflight = 0
 
         def fill() -> None:  # read ahead: at least the next window, then up to READ_AHEAD_BYTES
             nonlocal nxt, inflight
-            while nxt < len(windows) and (not ahead or inflight + sizes[nxt] <= READ_AHEAD_BYTES):
+            while nxt < len(windows) and (not ahead or inflight + sizes[nxt] <= READ_AHEAD_BYTES
+                                          and len(ahead) < at_once):
                 ahead.append(io.submit(read, nxt))
                 inflight += sizes[nxt]
                 nxt += 1

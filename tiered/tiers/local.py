@@ -337,6 +337,15 @@ class LocalDataReader:
     """Reads one rank's data file: host ranges with POSIX reads (large aligned ones O_DIRECT,
     `DIRECT_READ_MIN`), device ranges with KvikIO."""
 
+    parallel_reads = 2
+    """Windows a migration or restore reads at once from this file (`tiered.cpu.chunk_windows`).
+    One O_DIRECT read of a window already keeps the disk's queue full; windows read at once
+    share the disk and land together, so the one needed first waits for all of them: with 8 at
+    once, a 2,000-tensor step's first window (3 MiB) landed with the 120 MiB read beside it,
+    34-64 ms after it was asked for, while the copy's pool waited (2-core CPU machine, session
+    37; docs/benchmarks.md). Two: the next window, and one read ahead. A shared filesystem's
+    reader reads more at once (`tiered.tiers.posix`)."""
+
     def __init__(self, path: Path, device: bool, direct_io: str = "auto"):
         self.path = str(path)
         try:

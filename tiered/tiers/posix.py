@@ -29,4 +29,12 @@ class PosixTier(LocalTier):
     def open_data_reader(self, step: int, name: str, device: bool) -> LocalDataReader:
         if device:
             raise TieredError(f"tier {self.name!r} (shared filesystem) reads into host memory only")
-        return super().open_data_reader(step, name, False)
+        reader = super().open_data_reader(step, name, False)
+        reader.parallel_reads = SHARED_PARALLEL_READS
+        return reader
+
+
+SHARED_PARALLEL_READS = 8
+"""Windows read at once from a shared filesystem: a network filesystem's reads take round trips
+(and a parallel one's spread over servers), as S3's do, so more of them overlap than on a local
+disk (`LocalDataReader.parallel_reads`)."""
