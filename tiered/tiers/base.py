@@ -54,6 +54,10 @@ class DataWriter(Protocol):
 
 
 class DataReader(Protocol):
+    """One rank's data file, read. A reader may also say how many windows a migration or a
+    restore should read from it at once, `parallel_reads` (`tiered.cpu.chunk_windows`; 8 where
+    it does not say: S3's GETs)."""
+
     path: str
     io_mode: str
     size: int
