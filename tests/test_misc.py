@@ -14,7 +14,7 @@ import torch
 
 from tiered import tree
 from tiered.errors import StateDictError
-from tiered.checksum import to_u64, wsum64, wsum64_extents, wsum64_rows_torch
+from tiered.checksum import to_u64, wsum64, wsum64_each, wsum64_extents, wsum64_rows_torch
 from tiered.staging import RowRing
 
 
@@ -70,6 +70,19 @@ def test_wsum64_of_laid_out_chunks_equals_each_chunks_own(block_words):
     assert wsum64_extents(b"", [], []) == []
     with pytest.raises(ValueError, match="multiples of 4"):
         wsum64_extents(bytes(8192), [2], [10])
+
+
+def test_wsum64_of_many_small_buffers_at_once_equals_each_ones_own():
+    """`wsum64_each` (an optimizer's `step` scalars: thousands of chunks of a few bytes, summed in
+    one pass): the sums of `wsum64` buffer by buffer, for every size mod 4, all-ones bytes, bytes,
+    bytearrays and memoryviews; an empty buffer among them; none at all."""
+    rng = np.random.default_rng(7)
+    bufs = [bytes(rng.integers(0, 256, int(n), dtype=np.uint8)) for n in rng.integers(1, 5000, 300)]
+    bufs += [b"\xff" * n for n in range(1, 9)] + [b"\x01", b"\x00\x00\x00\x80\x01"]
+    bufs += [bytearray(bufs[0]), memoryview(bufs[1])]
+    assert wsum64_each(bufs) == [wsum64(b) for b in bufs]
+    assert wsum64_each(bufs[:3] + [b""] + bufs[3:6]) == [wsum64(b) for b in bufs[:3] + [b""] + bufs[3:6]]
+    assert wsum64_each([]) == []
 
 
 def test_wsum64_detects_flips_and_swaps():

@@ -53,6 +53,27 @@ def wsum64(data: bytes | bytearray | memoryview | np.ndarray) -> int:
     return total & _MASK64
 
 
+def wsum64_each(buffers: Sequence[bytes | bytearray | memoryview]) -> list[int]:
+    """`wsum64` of each of many small buffers, in one numpy pass: they are laid end to end at
+    word-aligned offsets, zeros between, and summed by `wsum64_extents`. For the thousands of
+    chunks of a few bytes each that an optimizer's `step` scalars make a save: one `wsum64` call
+    each was about half of the writer's time on them (docs/benchmarks.md, session 37)."""
+    sizes = [len(memoryview(b).cast("B")) for b in buffers]
+    if not sizes:
+        return []
+    if not all(sizes):  # (`wsum64_extents` sums a segment from each start to the next one's)
+        return [wsum64(b) for b in buffers]
+    offsets = [0] * len(sizes)
+    at = 0
+    for i, n in enumerate(sizes):
+        offsets[i] = at
+        at += -(-n // 4) * 4
+    flat = bytearray(at)
+    for b, o, n in zip(buffers, offsets, sizes):
+        flat[o:o + n] = b
+    return wsum64_extents(flat, offsets, sizes)
+
+
 def wsum64_rows_torch(rows, valid_words: int | None = None):
     """wsum64 of each row of a (k, stride) uint8 CUDA tensor whose bytes past each chunk are zero.
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from tiered.checksum import wsum64
+from tiered.checksum import wsum64, wsum64_each
 from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
@@ -135,22 +135,23 @@ def stored_extent(stored: bytes | memoryview) -> tuple[bytearray, int, int]:
 
 
 INLINE_CHUNK_BYTES = 16 << 10
-"""Chunks averaging under this size are encoded on the calling thread: for them a pool task
-costs more than the encoding (an optimizer's `step` scalars are thousands of 4-byte chunks)."""
+"""Chunks averaging under this size are encoded on the calling thread, their checksums summed
+together (`wsum64_each`): for them a pool task, or a checksum call each, costs more than the
+encoding (an optimizer's `step` scalars are thousands of 4-byte chunks)."""
 
 
 def encode_segment(seg: RawSegment, pool: ThreadPoolExecutor, settings: ZstdSettings) -> list[tuple[bytearray, int, int]]:
     """[(padded stored extent, stored size, checksum)] for each chunk of the segment, in order."""
     buf = seg.raw.numpy()
-    starts = np.cumsum([0] + [c.raw_size for c in seg.chunks])
+    starts = np.cumsum([0] + [c.raw_size for c in seg.chunks]).tolist()
 
-    def one(i: int) -> tuple[bytearray, int, int]:
-        c = seg.chunks[i]
-        return stored_extent(get_codec(c.plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]])))
+    def stored(i: int) -> bytes:
+        return get_codec(seg.chunks[i].plan.spec, settings).encode_chunk(memoryview(buf[starts[i]:starts[i + 1]]))
 
     if starts[-1] < INLINE_CHUNK_BYTES * len(seg.chunks):
-        return [one(i) for i in range(len(seg.chunks))]
-    return list(pool.map(one, range(len(seg.chunks))))
+        out = [stored(i) for i in range(len(seg.chunks))]
+        return [(pad_extent(s), len(s), crc) for s, crc in zip(out, wsum64_each(out))]
+    return list(pool.map(lambda i: stored_extent(stored(i)), range(len(seg.chunks))))
 
 
 def joined_extents(extents: Sequence[bytearray], limit: int) -> Iterator[tuple[int, memoryview]]:

@@ -25,7 +25,7 @@ from tiered.format import CodecSpec
 
 def shuffle_np(raw: memoryview, elem: int) -> np.ndarray:
     a = np.frombuffer(raw, dtype=np.uint8)
-    if elem == 1:
+    if elem == 1 or len(a) <= elem:  # (one element, a `step` scalar: its planes are its bytes)
         return a
     return np.ascontiguousarray(a.reshape(-1, elem).T).reshape(-1)
 
