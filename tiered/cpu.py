@@ -258,8 +258,7 @@ def chunk_windows(refs: Sequence[tuple[TensorRecord, int]], reader,
 
         def fill() -> None:  # read ahead: at least the next window, then up to READ_AHEAD_BYTES
             nonlocal nxt, inflight
-            while nxt < len(windows) and (not ahead or inflight + sizes[nxt] <= READ_AHEAD_BYTES
-                                          and len(ahead) < at_once):
+            while nxt < len(windows) and (not ahead or inflight + sizes[nxt] <= READ_AHEAD_BYTES):
                 ahead.append(io.submit(read, nxt))
                 inflight += sizes[nxt]
                 nxt += 1
