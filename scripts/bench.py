@@ -285,7 +285,9 @@ def main() -> int:
     ap.add_argument("--methods", default="tiered,tiered_overlap,dcp_pinned,dcp_stager,torch_save",
                     help="scale mode: which rows, in order; a tiered row may pin its codec (tiered_overlap:none); "
                          "ROW@MS runs a row with Python's switch interval at MS ms (sys.setswitchinterval); "
-                         "a tiered ROW/SIZE with that budgets.pack_buffer (tiered_overlap/1GiB)")
+                         "a tiered ROW/SIZE with that budgets.pack_buffer (tiered_overlap/1GiB); rows that save "
+                         "nothing price one part of a save alone: gil_load:TOTALxBURSTxSPAN (ms of Python on "
+                         "another thread) and d2h_load:GBxSPAN (copies to pinned host memory; a GPU)")
     ap.add_argument("--gil-watch", action="store_true",
                     help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                          "and where the engine's threads were then, and where the training thread was in the "
