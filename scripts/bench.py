@@ -460,8 +460,10 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
     scale_measure.barrier()
     if lead:
         shutil.rmtree(root, ignore_errors=True)
+    from scale_methods import LOAD_SPECS
+
     ran = [r for out in results["scale"] for r in out["rows"] if not r["error"]]
-    exact = [r["restore_bit_exact"] for r in ran if not r["name"].startswith(("gil_load", "d2h_load"))]  # (no save)
+    exact = [r["restore_bit_exact"] for r in ran if not r["name"].startswith(tuple(LOAD_SPECS))]  # (no save)
     return 0 if ran and all(exact) else 1
 
 

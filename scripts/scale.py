@@ -78,7 +78,7 @@ import torch
 
 from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync,
                            tensors_of, world)
-from scale_methods import METHODS, close_shared, row_spec, tiered_engine
+from scale_methods import LOAD_SPECS, METHODS, close_shared, row_spec, tiered_engine
 from tiered.units import format_size
 
 GiB = 1 << 30
@@ -133,8 +133,9 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         for k, name in enumerate(methods):
             base_name, row_codec, interval, pack = row_spec(name)
             fn, note = METHODS[base_name]
-            run.codec, run.pack_buffer = row_codec or codec, pack
-            row = Row(name, note + (f"; codec: {row_codec}" if row_codec and not base_name.endswith("_load") else "")
+            load = row_codec if base_name in LOAD_SPECS else ""  # (a load row's ":" part is its load)
+            run.codec, run.pack_buffer, run.load = (row_codec or codec) if not load else codec, pack, load
+            row = Row(name, note + (f"; codec: {row_codec}" if row_codec and not load else "")
                       + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else "")
                       + (f"; budgets.pack_buffer: {format_size(pack)}" if pack else ""))
             old_interval = sys.getswitchinterval()

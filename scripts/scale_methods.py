@@ -258,7 +258,7 @@ def run_gil_load(row: Row, run: Run, base: float) -> None:
     import queue
     import threading
 
-    total, burst, span = gil_load_spec(run.codec if run.codec != "auto" else "")  # (the row's ":" part)
+    total, burst, span = gil_load_spec(run.load)
     asks: queue.SimpleQueue = queue.SimpleQueue()
 
     def serve() -> None:
@@ -295,7 +295,7 @@ def run_d2h_load(row: Row, run: Run, base: float) -> None:
     costs training. Nothing is stored or restored."""
     import threading
 
-    gb, span = d2h_load_spec(run.codec if run.codec != "auto" else "")
+    gb, span = d2h_load_spec(run.load)
     if run.device != "cuda":
         raise ValueError("d2h_load needs a GPU")
     sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors_of(run.state) if t.is_cuda and t.numel()]
@@ -366,6 +366,9 @@ METHODS = {
                                "point by the copy engines, at once or over SPAN ms (d2h_load:GB[xSPAN]; default 20x0)"),
 }
 
+LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec}
+"""The rows that save nothing, and the reader of each one's load (the ":" part of its name)."""
+
 
 def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
     """(method, codec or "", switch interval in ms or None, pack buffer bytes or None) of a row
@@ -388,8 +391,8 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
         ms = None
     if at and not (ms and ms > 0):
         raise ValueError(f"{name!r}: @{interval} is not a switch interval in ms (a positive number)")
-    if base in ("gil_load", "d2h_load"):  # (their ":" part is the load, not a codec)
-        (gil_load_spec if base == "gil_load" else d2h_load_spec)(codec)
+    if base in LOAD_SPECS:  # (its ":" part is the load, not a codec)
+        LOAD_SPECS[base](codec)
     pack = None
     if slash:
         if not base.startswith("tiered"):
