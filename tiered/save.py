@@ -8,7 +8,7 @@ after this rank's index, because the step is committed once every rank's files a
 
     save(step, state)                                        caller's thread
       -> check (open, earlier background failure, step)     raised here
-      -> begin the step on the tier that takes it             `_begin`: fast tier, or next_tier
+      -> begin the step on the tier that takes it             tiered.step_tier: fast, or next_tier
       -> plan (tiered.plan: flatten, group, codec per tensor; cached across saves)
       -> stage: GPU tensors packed + compressed on a side stream (tiered.gpu: the compressed copy
          is the snapshot), CPU tensors copied into host staging (tiered.cpu)   -> returns
@@ -37,10 +37,9 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import queue
-import shutil
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -48,7 +47,7 @@ from tiered import cpu, host_copy, threads, tree
 from tiered.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
-from tiered.format import ALIGNMENT, Manifest
+from tiered.format import Manifest
 from tiered.handle import RankFiles, SaveHandle
 from tiered.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
                             to_clone)
@@ -57,6 +56,7 @@ from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
 from tiered.runtime import Workers
 from tiered.save_write import END, Abort, Job, complete_after, drain, settle, write_rank
+from tiered.step_tier import StepTier
 from tiered.units import format_size
 from tiered.version import __version__
 from tiered.watch import Watch
@@ -95,8 +95,8 @@ class SavePipeline:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._hooks: list[Callable[[int], None]] = []
-        self._falling_back = False
-        """The last save went to the next tier (on_fast_tier_error: next_tier)."""
+        self._tiers = StepTier(config, catalog)
+        """Which tier a step begins on (`on_fast_tier_error`)."""
         self._adopting: list[threading.Thread] = []
         """Threads committing dcp.save's steps on this node's tier once rank 0 has (tiered.dcp_storage)."""
         self._guards: list[Any] = []
@@ -244,46 +244,6 @@ class SavePipeline:
             return sorted(self._inflight)
 
     # --- staging, in the caller's thread ---------------------------------------------------------
-    def _begin(self, step: int, leaves: Sequence[Any], rank_only: bool = False) -> Any:
-        """Start `step` on the tier that takes it and return that tier: the fast tier; with
-        ``on_fast_tier_error: next_tier``, the next tier where the fast one cannot take the step
-        (its step directory cannot be made: permission denied, read-only or missing filesystem;
-        or it has less free space than the step may need). With `rank_only`, this rank's part of
-        a distributed step, on the fast tier."""
-        fast = self.tier
-        if rank_only:
-            fast.begin_rank(step, self.rank)
-            return fast
-        if self.config.on_fast_tier_error == "fail" or fast.has_step(step):
-            fast.begin_step(step)  # (a committed step is refused here, whatever the setting)
-            return fast
-        try:
-            fast.begin_step(step)
-            need = sum(-(-n // self.config.chunk_size) * ALIGNMENT + n
-                       for n in (leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)) + (1 << 20)
-            free = shutil.disk_usage(fast.root).free
-            if free < need:
-                fast.discard(step)
-                raise TieredError(f"{fast.root}: {format_size(free)} free, and the step may need up to "
-                                  f"{format_size(need)}")
-        except (TieredError, OSError) as exc:
-            other = self.catalog.get(self.config.tiers[1].name)
-            try:
-                other.begin_step(step)
-            except (TieredError, OSError) as exc2:
-                raise TieredError(f"step {step}: the fast tier {fast.name!r} cannot take it ({exc}), and neither can "
-                                  f"tier {other.name!r} ({exc2})") from None
-            if not self._falling_back:
-                log.warning("tiered: the fast tier %r cannot take step %d (%s): on_fast_tier_error is next_tier, so "
-                            "it and the next saves go to tier %r, through host memory, until the fast tier takes "
-                            "them again", fast.name, step, exc, other.name)
-            self._falling_back = True
-            return other
-        if self._falling_back:
-            log.warning("tiered: the fast tier %r takes saves again (from step %d)", fast.name, step)
-            self._falling_back = False
-        return fast
-
     def save(self, step: int, state_dict: Any, *, rank_only: bool = False, deferrable: bool = False) -> SaveHandle:
         """Stage `state_dict` and queue its writing. With `rank_only`, the writer stops after this
         rank's data file and index (``persisted`` resolves to a RankFiles), for a distributed
@@ -299,7 +259,7 @@ class SavePipeline:
         self.wait_planned()
         skeleton, leaves = tree.flatten(state_dict, share=not rank_only)  # (DCP's items are its own)
         t1 = time.perf_counter()
-        tier = self._begin(step, leaves, rank_only)
+        tier = self._tiers.begin(step, leaves, self.rank if rank_only else None)
         t2 = time.perf_counter()
         plan = self._plan(tier, leaves, tree.structure_of(state_dict))
         handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
@@ -428,7 +388,7 @@ class SavePipeline:
                 skeleton, leaves = tree.flatten(state, share=not job.rank_only)
                 job.state = None
                 t1 = time.perf_counter()
-                tier = job.tier = self._begin(job.step, leaves, job.rank_only)
+                tier = job.tier = self._tiers.begin(job.step, leaves, self.rank if job.rank_only else None)
                 t2 = time.perf_counter()
                 plan = self._plan(tier, leaves, tree.structure_of(state))
                 del state
