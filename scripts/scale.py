@@ -131,13 +131,14 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     rows = []
     try:
         for k, name in enumerate(methods):
-            base_name, row_codec, interval, pack = row_spec(name)
+            base_name, row_codec, interval, pack, run.stage_after_ms = row_spec(name)
             fn, note = METHODS[base_name]
             load = row_codec if base_name in LOAD_SPECS else ""  # (a load row's ":" part is its load)
             run.codec, run.pack_buffer, run.load = (row_codec or codec) if not load else codec, pack, load
             row = Row(name, note + (f"; codec: {row_codec}" if row_codec and not load else "")
                       + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else "")
-                      + (f"; budgets.pack_buffer: {format_size(pack)}" if pack else ""))
+                      + (f"; budgets.pack_buffer: {format_size(pack)}" if pack else "")
+                      + (f"; guard(stage_after_ms={run.stage_after_ms:g})" if run.stage_after_ms else ""))
             old_interval = sys.getswitchinterval()
             try:
                 if name.startswith("tiered"):

@@ -96,7 +96,7 @@ def run_tiered(row: Row, run: Run, base: float) -> None:
 
 def run_tiered_overlap(row: Row, run: Run, base: float, defer_walk: bool | None = None) -> None:
     engine = tiered_engine(run)
-    guards = [engine.guard(opt, defer_walk=defer_walk) for opt in run.optimizers]
+    guards = [engine.guard(opt, defer_walk=defer_walk, stage_after_ms=run.stage_after_ms) for opt in run.optimizers]
     if defer_walk:  # (reserved again, guarded now, as a loop that guards at set-up and reserves after its first step)
         engine.reserve(run.state)
     try:
@@ -370,21 +370,23 @@ LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec}
 """The rows that save nothing, and the reader of each one's load (the ":" part of its name)."""
 
 
-def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
-    """(method, codec or "", switch interval in ms or None, pack buffer bytes or None) of a row
-    named on the command line: METHOD[:CODEC][@MS][/PACK] (tiered_overlap:none: that row's codec
+def row_spec(name: str) -> tuple[str, str, float | None, int | None, float]:
+    """(method, codec or "", switch interval in ms or None, pack buffer bytes or None, stage_after_ms)
+    of a row named on the command line: METHOD[:CODEC][@MS][/PACK][+AFTER] (tiered_overlap:none: that row's codec
     pinned; tiered_overlap@0.1: Python's switch interval during the row; tiered_overlap/1GiB: that
     row's engine with `budgets.pack_buffer: 1GiB`, so a save's waves of 1 MiB chunks are up to
-    1,024 chunks, not 256). ValueError naming what is wrong. Compare rows of different budgets in
+    1,024 chunks, not 256; tiered_overlap+250: its guards' `stage_after_ms=250`). ValueError naming
+    what is wrong. Compare rows of different budgets in
     separate processes: an engine made after another closed finds less GPU memory free than the
     first did (the first's buffers stay in torch's cache) and sizes its slab from that (GPU run
     309); with the cache emptied in between, the next row's training ran out of GPU memory before
     its first save (run 310; not investigated)."""
-    spec, slash, pack_text = name.partition("/")
+    spec, plus, after_text = name.partition("+")
+    spec, slash, pack_text = spec.partition("/")
     spec, at, interval = spec.partition("@")
     base, _, codec = spec.partition(":")
     if base not in METHODS:
-        raise ValueError(f"{name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC, @MS and /PACK")
+        raise ValueError(f"{name!r}: expected one of {', '.join(METHODS)}, optionally :CODEC, @MS, /PACK and +AFTER")
     try:
         ms = float(interval) if at else None
     except ValueError:
@@ -401,4 +403,14 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None]:
             pack = parse_size(pack_text)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name!r}: /{pack_text} is not a size ({exc})") from None
-    return base, codec, ms, pack
+    after = 0.0
+    if plus:
+        if not base.startswith("tiered_overlap"):
+            raise ValueError(f"{name!r}: +AFTER sets an overlapped row's guard(stage_after_ms=AFTER); {base} has none")
+        try:
+            after = float(after_text)
+        except ValueError:
+            after = -1.0
+        if not after >= 0 or after == float("inf"):
+            raise ValueError(f"{name!r}: +{after_text} is not a stage_after_ms (a non-negative number of ms)")
+    return base, codec, ms, pack, after

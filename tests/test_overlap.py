@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -478,3 +479,56 @@ def test_the_calls_clones_leave_memory_freed_since_alone():
     assert clones[overlap.view_key(view)].tolist() == [2.0, 4.0, 6.0]
     t.untyped_storage().resize_(0)
     assert learned.clone_now() == {} and t.untyped_storage().nbytes() == 0
+
+
+def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_something_waits_first(tier_config, device,
+                                                                                               caplog):
+    """`guard(optimizer, stage_after_ms=...)`: the stager thread reads a save no sooner than that
+    after its call; an optimizer step (or `wait`, or `close`) before then starts the read at once,
+    and the first such step is logged. Every step holds the state at its call."""
+    model, opt = trained_model(device, steps=1)
+    want = {}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(tier_config()) as engine:
+        guard = engine.guard(opt, stage_after_ms=300)
+        state = _state(model, opt)
+        want[1] = _copy(state)
+        t0 = time.perf_counter()
+        handle = engine.save(1, state)
+        handle.staged.result()
+        assert time.perf_counter() - t0 >= 0.3, "nothing waited for it: read 300 ms after the call"
+        assert handle.timings["stage_after_ms"] > 0
+        guard.remove()
+        engine.guard(opt, stage_after_ms=60_000)
+        t0 = time.perf_counter()
+        for step in (2, 3):
+            state = _state(model, opt)
+            want[step] = _copy(state)
+            engine.save(step, state)
+            _step(model, opt, device)  # the optimizer step waits for the read: it starts now
+        state = _state(model, opt)
+        want[4] = _copy(state)
+        engine.save(4, state)
+        engine.wait()  # so does a wait for the save
+        assert time.perf_counter() - t0 < 30, "the optimizer step and wait() started the reads long before 60 s"
+        state = _state(model, opt)
+        want[5] = _copy(state)
+        engine.save(5, state)  # and close(), below
+        t0 = time.perf_counter()
+    assert time.perf_counter() - t0 < 30
+    cut = [r.getMessage() for r in caplog.records if "before guard(stage_after_ms=60000) had passed" in r.getMessage()]
+    assert len(cut) == 1 and "step 2" in cut[0], "said once, at the first"
+    assert not any("stage_after_ms=300)" in r.getMessage() for r in caplog.records)
+    with tiered.Engine.from_config(tier_config()) as engine:
+        for step, expected in want.items():
+            assert _equal(engine.load(step, device=device), expected), f"step {step}"
+
+
+@pytest.mark.parametrize("bad", [-1, "250", float("nan"), float("inf"), True, None])
+def test_stage_after_ms_must_be_a_non_negative_number_of_milliseconds(tier_config, bad):
+    model, opt = trained_model("cpu", steps=1)
+    with tiered.Engine.from_config(tier_config()) as engine:
+        with pytest.raises(ValueError, match="stage_after_ms must be a non-negative number of milliseconds"):
+            engine.guard(opt, stage_after_ms=bad)
+        assert not opt._optimizer_step_pre_hooks, "nothing guarded"
+        engine.save(1, _state(model, opt)).wait()
+        assert not any(t.name == "tiered-stager" for t in threading.enumerate())

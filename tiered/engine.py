@@ -41,8 +41,7 @@ log = logging.getLogger("tiered")
 
 
 class Engine:
-    """Checkpoint engine, one per process. Use as a context manager, or call `close()`: it waits
-    for in-flight saves."""
+    """Checkpoint engine, one per process: a context manager, or call `close()` (it waits for saves in flight)."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -157,20 +156,21 @@ class Engine:
                 return self._dist.save(step, state_dict)
             return self.saves.save(step, state_dict)
 
-    def guard(self, optimizer: Any, *, defer_walk: bool | None = None) -> Any:
+    def guard(self, optimizer: Any, *, defer_walk: bool | None = None, stage_after_ms: float = 0) -> Any:
         """Overlap saves with the next forward and backward, in one line for the common loop.
 
         From now on `save()` returns at once: the state is read on a side stream (another thread
-        issues the work) while training runs on, and `optimizer.step()` first makes its stream wait
-        until that is done, since the optimizer step is what changes parameters and optimizer state.
-        Anything else in the state (buffers, an EMA copy) is cloned when `save()` is called
-        (tiered.overlap; beyond a limit the save is strict, logged once). Once a call's walk of the
-        state took 10 ms (one process, a large state), later calls do not walk it: that thread does,
-        before the optimizer step, so until then the state's dicts and non-tensor values must not
-        change (`defer_walk=True`: from the first save, or `reserve` after this, and under torchrun
-        DCP's plan too; False: never). A loop changing guarded tensors other than by
-        `optimizer.step()` calls `order_updates()` first. `remove()` makes saves strict."""
-        return self.saves.guard(optimizer, defer_walk)
+        issues the work) while training runs on, and `optimizer.step()` (what changes parameters
+        and optimizer state) first makes its stream wait until that is done. The rest of the state
+        (buffers, an EMA copy) is cloned in `save()` (tiered.overlap; beyond a limit the save is
+        strict, logged once). Once a call's walk took 10 ms (a large state, one process), later
+        calls leave it to that thread, before the optimizer step: until then the state's dicts and
+        non-tensor values must not change (`defer_walk=True`: from the first save or `reserve`
+        after this, under torchrun DCP's plan too; False: never). `stage_after_ms`: that thread
+        starts a save no sooner, unless the optimizer step or a wait comes first (StageAfter, in
+        tiered.overlap). Guarded tensors changed other than by `optimizer.step()` need
+        `order_updates()` first. `remove()` makes saves strict."""
+        return self.saves.guard(optimizer, defer_walk, stage_after_ms)
 
     def reserve(self, state: Any, *, local: bool = False) -> None:
         """Start pinning host staging memory for saves of `state` (a state dict, or its size in

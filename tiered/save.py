@@ -49,8 +49,8 @@ from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest
 from tiered.handle import RankFiles, SaveHandle
-from tiered.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
-                            to_clone)
+from tiered.overlap import (Guard, Guarded, Learned, StageAfter, clone_after, deferred_plan, overlap_plan, recorded,
+                            say_new, stage_after_seconds, to_clone)
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
@@ -112,6 +112,8 @@ class SavePipeline:
         """What the last guarded save learned of its state: the next one's call walks nothing."""
         self._logged_new = False
         self._logged_defer = False
+        self._stage_after = StageAfter()
+        """How long after a call the stager thread starts an overlapped save (`guard`'s `stage_after_ms`)."""
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
@@ -121,13 +123,17 @@ class SavePipeline:
         self._watch = Watch(self._steps_in_flight, lambda: self.progress)
 
     # --- overlapping saves with the next forward and backward ------------------------------------
-    def guard(self, optimizer: Any, defer_walk: bool | None = None) -> Guard:
+    def guard(self, optimizer: Any, defer_walk: bool | None = None, stage_after_ms: float = 0) -> Guard:
         """From now on `save()` returns before the state has been read, and `optimizer.step()`
         waits until it has (tiered.overlap says what is guarded and what is cloned instead).
         `defer_walk`: the stager thread walks the state, not the call, once a save has seen it:
         True, always; None, once a save's walk in its call took `DEFER_AFTER_MS`; False, never.
-        A guard standing with False keeps the walk in the call; one with None keeps the rule."""
+        A guard standing with False keeps the walk in the call; one with None keeps the rule.
+        `stage_after_ms`: the stager thread starts each save no sooner than this after its call
+        (the longest of the standing guards'), unless something waits for it first."""
+        after = stage_after_seconds(stage_after_ms)  # (ValueError before anything is guarded)
         self._guards.append(optimizer)
+        self._stage_after.set(optimizer, after)
         if defer_walk is None:
             self._walk_auto.append(optimizer)
         elif not defer_walk:
@@ -138,6 +144,7 @@ class SavePipeline:
                      self.order_updates, self._unguard)
 
     def _unguard(self, optimizer: Any) -> None:
+        self._stage_after.drop(optimizer)
         for kept in (self._guards, self._walk_in_call, self._walk_auto):
             if optimizer in kept:
                 kept.remove(optimizer)
@@ -149,6 +156,7 @@ class SavePipeline:
         with self._lock:
             jobs, self._unordered = self._unordered, []
         for job in jobs:
+            job.hurry.set()
             job.enqueued.wait()
             for index, ev in job.reads:
                 torch.cuda.current_stream(index).wait_event(ev)
@@ -159,6 +167,7 @@ class SavePipeline:
             if job is None:
                 return
             try:
+                self._stage_after.wait(job.started, job.hurry, job.step, job.handle.timings)
                 if job.plan is None:
                     self._plan_deferred(job)
                 self._stage(job)
@@ -287,6 +296,8 @@ class SavePipeline:
             self.codec.after_save(job.plan, handle)  # (the first save: samples the state for codec: auto)
         if self._guards:  # one thread stages, in save order: a strict save too, then waited for here
             job.after = {index: recorded(index) for index in plan.gpu}
+            if overlapped is None:
+                job.hurry.set()  # (strict: waited for below, started at once)
             with self._lock:
                 self._unordered.append(job)
             self._stage_queue.put(job)
@@ -423,6 +434,7 @@ class SavePipeline:
         with self._lock:
             jobs = [job for job in self._unordered if job.plan is None]
         for job in jobs:
+            job.hurry.set()
             job.enqueued.wait()
 
     def _stage(self, job: Job, strict: bool = False) -> None:
@@ -471,6 +483,8 @@ class SavePipeline:
         while True:
             with self._lock:
                 pending = list(self._inflight.values())
+                for job in self._unordered:
+                    job.hurry.set()
             if not pending:
                 return
             for h in pending:
@@ -479,6 +493,9 @@ class SavePipeline:
     def close(self) -> None:
         """Stop the writer once its queue is done, and join the pipeline's other threads."""
         self.closed = True
+        with self._lock:
+            for job in self._unordered:
+                job.hurry.set()
         if self._stager is not None:
             self._stage_queue.put(None)
             self._stager.join()

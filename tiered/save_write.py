@@ -64,6 +64,8 @@ class Job:
     """Per GPU, the event after which the state may change (set once staged)."""
     enqueued: threading.Event = field(default_factory=threading.Event)
     """The stager thread has issued (or given up) all of this save's reads."""
+    hurry: threading.Event = field(default_factory=threading.Event)
+    """Something waits for this save's reads: the stager thread starts it now (tiered.overlap.StageAfter)."""
     state: Any = None
     """A deferred save's state, until the stager thread has walked it (tiered.overlap: `Learned`)."""
     clones: dict[Any, Any] = field(default_factory=dict)
