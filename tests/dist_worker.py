@@ -322,7 +322,7 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
             raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
 
 
-def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -> None:
+def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool, stage_after_ms: float = 0) -> None:
     """Guarded saves at N ranks (`Engine.guard`). With `defer_walk=True`, from the second save
     on each call clones what is unguarded and returns, and the stager thread plans with DCP (the
     walk, the all-reduce) and reads the state; `auto`: the default guard, with every walk long
@@ -332,7 +332,9 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -
     its save. A rank's own names, so that DCP keeps every rank's tensors. `device`: where the
     state lies (cuda: each rank's GPU, with scripts/gpu_dist_check.sh). `own_group`: the engine
     plans on a gloo group of its own (an NCCL default group); on a CPU default group, which
-    training's collectives use too, it plans in the call even with `defer_walk=True`."""
+    training's collectives use too, it plans in the call even with `defer_walk=True`.
+    `stage_after_ms` (long): each save's reads start only when something waits for them: the
+    optimizer step, or (every other save) the handle's `wait()` before it."""
     defers = own_group and not auto
     import tiered.save
 
@@ -343,7 +345,7 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -
     opt = torch.optim.AdamW(params.values(), lr=0.01)
     if auto:
         tiered.save.DEFER_AFTER_MS = 0.0
-    engine.guard(opt, defer_walk=None if auto else True)
+    engine.guard(opt, defer_walk=None if auto else True, stage_after_ms=stage_after_ms)
 
     epoch = [0]
 
@@ -360,6 +362,7 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -
     if auto and rank == 0:  # a guarded save of this rank alone learns the state: distributed saves still plan in the call
         engine.save(step - 1, state(), local=True).wait()
     want = {}
+    t0 = time.perf_counter()
     for s in range(step, step + 5):
         epoch[0] = s
         st = state()
@@ -367,6 +370,8 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -
             {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
         handle = engine.save(s, st)
         buf.add_(1.0)  # (unguarded: the call cloned it)
+        if stage_after_ms and s % 2:
+            handle.wait()  # (starts the reads: stage_after_ms)
         one_step()  # (waits for the reads: the guard)
         handle.wait()
         timed = handle.timings
@@ -374,6 +379,8 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool) -
             raise SystemExit(f"rank {rank}: save {s} was not deferred to the stager thread: {sorted(timed)}")
         if (s == step or not defers) and "stager_plan_ms" in timed:
             raise SystemExit(f"rank {rank}: save {s} was deferred ({'the first' if defers else 'auto' if auto else 'on the default group'})")
+    if stage_after_ms and time.perf_counter() - t0 > stage_after_ms / 2e3:
+        raise SystemExit(f"rank {rank}: the saves waited out stage_after_ms ({time.perf_counter() - t0:.1f} s)")
     for s, (model, b, adam) in want.items():
         params_out = {k: torch.zeros(64, 33, device=device) for k in params}
         out = {"model": params_out, "buf": {f"b{rank}": torch.zeros(17, device=device)},
@@ -407,6 +414,7 @@ def main() -> None:
                     "of its own, made once")
     ap.add_argument("--auto", action="store_true", help="save-guarded: the default guard (defer_walk=None)")
     ap.add_argument("--cuda", action="store_true", help="save-guarded: the state on each rank's GPU (NCCL)")
+    ap.add_argument("--stage-after", type=float, default=0.0, help="save-guarded: guard(stage_after_ms=...)")
     ap.add_argument("--repeats", type=int, default=0,
                     help="after the save of --step, save steps step+1..step+N (warm: the cached plan) and print "
                          "how long each blocked the training loop")
@@ -435,7 +443,7 @@ def main() -> None:
             saves_without_full_collections(engine, args.step)
         elif args.mode == "save-guarded":
             guarded_saves(engine, args.step, args.auto, "cuda" if cuda else "cpu",
-                          own_group=args.as_nccl or "gloo" not in dist.get_backend())
+                          own_group=args.as_nccl or "gloo" not in dist.get_backend(), stage_after_ms=args.stage_after)
         elif args.mode == "save":
             if args.how == "engine":
                 if args.reserve:

@@ -121,8 +121,8 @@ def test_saves_plan_over_a_gloo_group_where_the_default_group_is_nccl(tmp_path):
     torchrun(2, "save-change", "--config", cfg, "--step", "200", "--reserve", "--as-nccl")
 
 
-@pytest.mark.parametrize("how", [["--as-nccl"], [], ["--as-nccl", "--auto"]],
-                         ids=["defer_walk", "defer_walk_on_the_default_group", "default_guard"])
+@pytest.mark.parametrize("how", [["--as-nccl"], [], ["--as-nccl", "--auto"], ["--as-nccl", "--stage-after", "60000"]],
+                         ids=["defer_walk", "defer_walk_on_the_default_group", "default_guard", "stage_after"])
 def test_guarded_saves_at_2_ranks_plan_on_the_stager_thread_and_save_the_state_as_it_was(tmp_path, how):
     """With the optimizer guarded with `defer_walk=True`, a distributed save's call after the
     first walks nothing: it clones the unguarded buffer and returns; each rank's stager thread
@@ -131,7 +131,8 @@ def test_guarded_saves_at_2_ranks_plan_on_the_stager_thread_and_save_the_state_a
     group (gloo here), which training's collectives use from their threads, it stays in the
     call; under the default guard too, however long it took (DEFER_AFTER_MS at 0 here). The
     buffer changes and the optimizer steps right after each call: every step restores
-    bit-exact to the state at its save."""
+    bit-exact to the state at its save. With `stage_after_ms` at 60 s, the optimizer step or the
+    handle's `wait()` starts each save's reads (the saves take far less than 30 s)."""
     cfg = write_config(tmp_path / "c.yaml", [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
                                             "codec": "zstd"}])
     torchrun(2, "save-guarded", "--config", cfg, "--step", "400", *how)

@@ -484,8 +484,8 @@ def test_the_calls_clones_leave_memory_freed_since_alone():
 def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_something_waits_first(tier_config, device,
                                                                                                caplog):
     """`guard(optimizer, stage_after_ms=...)`: the stager thread reads a save no sooner than that
-    after its call; an optimizer step (or `wait`, or `close`) before then starts the read at once,
-    and the first such step is logged. Every step holds the state at its call."""
+    after its call; an optimizer step (or `wait`, a handle's `wait`, `close`) before then starts
+    the read at once, and the first such step is logged. Every step holds the state at its call."""
     model, opt = trained_model(device, steps=1)
     want = {}
     with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(tier_config()) as engine:
@@ -512,8 +512,10 @@ def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_somethin
         assert time.perf_counter() - t0 < 30, "the optimizer step and wait() started the reads long before 60 s"
         state = _state(model, opt)
         want[5] = _copy(state)
-        engine.save(5, state)  # and close(), below
-        t0 = time.perf_counter()
+        engine.save(5, state).wait()  # and the handle's wait
+        state = _state(model, opt)
+        want[6] = _copy(state)
+        engine.save(6, state)  # and close(), below
     assert time.perf_counter() - t0 < 30
     cut = [r.getMessage() for r in caplog.records if "before guard(stage_after_ms=60000) had passed" in r.getMessage()]
     assert len(cut) == 1 and "step 2" in cut[0], "said once, at the first"

@@ -157,6 +157,7 @@ class DistributedSaver:
         else:
             handle.raw_bytes = rank_handle.raw_bytes
             handle.timings = rank_handle.timings  # (one dict: a deferred save's stager adds to it)
+            handle.on_wait = rank_handle.on_wait
             rank_handle.staged.add_done_callback(lambda f: _mirror(f, handle.staged))
         return handle
 

@@ -35,10 +35,14 @@ class SaveHandle:
     """The name of the tier the step is written to."""
     _reported: Any = None
     """Called with the failure this handle raised: the engine then does not raise it again."""
+    on_wait: Any = None
+    """Called as `wait()` begins: an overlapped save's stager starts it now (`guard`'s `stage_after_ms`)."""
 
     def wait(self, timeout: float | None = None) -> Manifest:
         """Block until persisted; return the committed manifest or raise the failure (once raised
         here, the next `save()` or `Engine.wait()` does not raise it again)."""
+        if self.on_wait is not None:
+            self.on_wait()
         try:
             return self.persisted.result(timeout)
         except BackgroundSaveError as exc:

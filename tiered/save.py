@@ -289,6 +289,7 @@ class SavePipeline:
                      "save())", len(plan.tensors), walked_ms)
         job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
+        handle.on_wait = job.hurry.set
         with self._lock:
             self._inflight[step] = handle
         self._jobs.put(job)
@@ -377,6 +378,7 @@ class SavePipeline:
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
         job = Job(step, None, None, handle, device_io=bool(learned.devices), state=state_dict,
                    clones=learned.clone_now(), rank_only=rank_only)
+        handle.on_wait = job.hurry.set
         job.after = {index: recorded(index) for index in learned.devices}  # (after the clones)
         with self._lock:
             self._inflight[step] = handle
