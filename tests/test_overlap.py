@@ -499,6 +499,7 @@ def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_somethin
         assert handle.timings["stage_after_ms"] > 0
         guard.remove()
         engine.guard(opt, stage_after_ms=60_000)
+        engine.guard(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), stage_after_ms=60_000)  # (said once)
         t0 = time.perf_counter()
         for step in (2, 3):
             state = _state(model, opt)
@@ -520,6 +521,8 @@ def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_somethin
     cut = [r.getMessage() for r in caplog.records if "before guard(stage_after_ms=60000) had passed" in r.getMessage()]
     assert len(cut) == 1 and "step 2" in cut[0], "said once, at the first"
     assert not any("stage_after_ms=300)" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "overlapped saves are read from" in r.getMessage()]
+    assert len(said) == 2 and "300 ms" in said[0] and "60000 ms" in said[1], said
     with tiered.Engine.from_config(tier_config()) as engine:
         for step, expected in want.items():
             assert _equal(engine.load(step, device=device), expected), f"step {step}"

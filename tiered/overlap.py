@@ -316,10 +316,13 @@ class StageAfter:
         self._logged = False
 
     def set(self, optimizer: Any, seconds: float) -> None:
+        """A guard of `optimizer` asks for `seconds` (0: nothing); the log says when the longest changes."""
         if seconds > 0:
+            before = max(self._by.values(), default=0.0)
             self._by[id(optimizer)] = seconds
-            log.info("tiered: overlapped saves are read from %.0f ms after save() on (sooner where the optimizer "
-                     "step or a wait for the save comes first)", 1e3 * max(self._by.values()))
+            if seconds > before:
+                log.info("tiered: overlapped saves are read from %.0f ms after save() on (sooner where the optimizer "
+                         "step or a wait for the save comes first)", 1e3 * seconds)
 
     def drop(self, optimizer: Any) -> None:
         self._by.pop(id(optimizer), None)
