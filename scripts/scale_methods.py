@@ -372,11 +372,11 @@ LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec}
 
 def row_spec(name: str) -> tuple[str, str, float | None, int | None, float]:
     """(method, codec or "", switch interval in ms or None, pack buffer bytes or None, stage_after_ms)
-    of a row named on the command line: METHOD[:CODEC][@MS][/PACK][+AFTER] (tiered_overlap:none: that row's codec
-    pinned; tiered_overlap@0.1: Python's switch interval during the row; tiered_overlap/1GiB: that
-    row's engine with `budgets.pack_buffer: 1GiB`, so a save's waves of 1 MiB chunks are up to
-    1,024 chunks, not 256; tiered_overlap+250: its guards' `stage_after_ms=250`). ValueError naming
-    what is wrong. Compare rows of different budgets in
+    of a row named on the command line: METHOD[:CODEC][@MS][/PACK][+AFTER] (tiered_overlap:none:
+    that row's codec pinned; tiered_overlap@0.1: Python's switch interval during the row;
+    tiered_overlap/1GiB: that row's engine with `budgets.pack_buffer: 1GiB`, so a save's waves of 1
+    MiB chunks are up to 1,024 chunks, not 256; tiered_overlap+250: its guards'
+    `stage_after_ms=250`). ValueError naming what is wrong. Compare rows of different budgets in
     separate processes: an engine made after another closed finds less GPU memory free than the
     first did (the first's buffers stay in torch's cache) and sizes its slab from that (GPU run
     309); with the cache emptied in between, the next row's training ran out of GPU memory before

@@ -299,7 +299,7 @@ class StageAfter:
     """How long after `save()`'s call the stager thread waits before it walks, plans and reads an
     overlapped save: the longest `stage_after_ms` among the standing guards (`Engine.guard`),
     cut short once anything waits for the save's reads (`hurry`: a guarded optimizer step, the
-    next save's call, `wait`, `close`).
+    next save's call, the engine's or the handle's `wait`, `close`).
 
     Why wait: right after a save's call the training thread has queued little GPU work (a loop
     that reads its loss each step has queued none), and while another thread runs Python it
