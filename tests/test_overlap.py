@@ -497,7 +497,8 @@ def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_somethin
         handle.staged.result()
         assert time.perf_counter() - t0 >= 0.3, "nothing waited for it: read 300 ms after the call"
         assert handle.timings["stage_after_ms"] > 0
-        guard.remove()
+        guard.remove()  # (orders the streams after the save, as the optimizer step would)
+        assert handle.timings["step_after_ms"] >= 300, "when the update came after the call: the room to wait"
         engine.guard(opt, stage_after_ms=60_000)
         engine.guard(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), stage_after_ms=60_000)  # (said once)
         t0 = time.perf_counter()

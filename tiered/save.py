@@ -155,7 +155,10 @@ class SavePipeline:
         itself). Waits on the CPU only while the stager thread is still issuing reads."""
         with self._lock:
             jobs, self._unordered = self._unordered, []
+        now = time.perf_counter()
         for job in jobs:
+            if not job.hurry.is_set():  # (from the call, as staged_ms; a strict save is hurried in it)
+                job.handle.timings["step_after_ms"] = 1e3 * (now - job.started) + job.handle.timings.get("plan_ms", 0.0)
             job.hurry.set()
             job.enqueued.wait()
             for index, ev in job.reads:
