@@ -140,14 +140,17 @@ def test_too_much_unguarded_state_falls_back_to_strict(tier_config, monkeypatch,
     model, opt = trained_model("cuda", steps=1)
     loose = torch.randn(1 << 20, device="cuda")  # 4 MiB, not the optimizer's
     with tiered.Engine.from_config(tier_config()) as engine, caplog.at_level(logging.WARNING, "tiered"):
-        engine.guard(opt)
+        engine.guard(opt, stage_after_ms=60_000)  # (a strict save does not wait for it)
         state = {"model": model.state_dict(), "loose": loose}
         want = _copy(state)
-        engine.save(1, state)
+        t0 = time.perf_counter()
+        handle = engine.save(1, state)
         loose.zero_()  # on the training stream: ordered after the strict save's reads
         engine.wait()
+        assert time.perf_counter() - t0 < 30 and "stage_after_ms" not in handle.timings
         assert _equal(engine.load(1, device="cuda"), want)
     assert "staged strictly" in caplog.text and "not guarded by an optimizer" in caplog.text
+    assert "before guard(stage_after_ms" not in caplog.text
 
 
 @pytest.mark.gpu

@@ -332,9 +332,9 @@ class StageAfter:
         wait until the longest `stage_after_ms` has passed since, or until `hurry` is set."""
         delay = max(self._by.values(), default=0.0)
         t0 = time.perf_counter()
-        if delay <= 0 or hurry.is_set() or t0 >= started + delay:  # (waited for already: a strict save)
+        if delay <= 0 or t0 >= started + delay:
             return
-        cut = hurry.wait(started + delay - t0)
+        cut = hurry.wait(started + delay - t0)  # (set already: the optimizer step came before this thread did)
         timings["stage_after_ms"] = 1e3 * (time.perf_counter() - t0)
         if cut and not self._logged:
             self._logged = True

@@ -157,8 +157,9 @@ class SavePipeline:
             jobs, self._unordered = self._unordered, []
         now = time.perf_counter()
         for job in jobs:
-            if not job.hurry.is_set():  # (from the call, as staged_ms; a strict save is hurried in it)
-                job.handle.timings["step_after_ms"] = 1e3 * (now - job.started) + job.handle.timings.get("plan_ms", 0.0)
+            if job.overlapped:  # (from the call, as staged_ms)
+                job.handle.timings.setdefault("step_after_ms",
+                                              1e3 * (now - job.started) + job.handle.timings.get("plan_ms", 0.0))
             job.hurry.set()
             job.enqueued.wait()
             for index, ev in job.reads:
@@ -170,7 +171,8 @@ class SavePipeline:
             if job is None:
                 return
             try:
-                self._stage_after.wait(job.started, job.hurry, job.step, job.handle.timings)
+                if job.overlapped:
+                    self._stage_after.wait(job.started, job.hurry, job.step, job.handle.timings)
                 if job.plan is None:
                     self._plan_deferred(job)
                 self._stage(job)
@@ -300,8 +302,7 @@ class SavePipeline:
             self.codec.after_save(job.plan, handle)  # (the first save: samples the state for codec: auto)
         if self._guards:  # one thread stages, in save order: a strict save too, then waited for here
             job.after = {index: recorded(index) for index in plan.gpu}
-            if overlapped is None:
-                job.hurry.set()  # (strict: waited for below, started at once)
+            job.overlapped = overlapped is not None
             with self._lock:
                 self._unordered.append(job)
             self._stage_queue.put(job)
@@ -380,7 +381,7 @@ class SavePipeline:
         handle.staged.add_done_callback(
             lambda _, t=handle.timings: t.setdefault("staged_ms", 1e3 * (time.perf_counter() - t0)))
         job = Job(step, None, None, handle, device_io=bool(learned.devices), state=state_dict,
-                   clones=learned.clone_now(), rank_only=rank_only)
+                   clones=learned.clone_now(), rank_only=rank_only, overlapped=True)
         handle.on_wait = job.hurry.set
         job.after = {index: recorded(index) for index in learned.devices}  # (after the clones)
         with self._lock:

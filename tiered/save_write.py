@@ -64,6 +64,8 @@ class Job:
     """Per GPU, the event after which the state may change (set once staged)."""
     enqueued: threading.Event = field(default_factory=threading.Event)
     """The stager thread has issued (or given up) all of this save's reads."""
+    overlapped: bool = False
+    """Read beside the next forward and backward (`guard`), not strictly: it may wait `stage_after_ms`."""
     hurry: threading.Event = field(default_factory=threading.Event)
     """Something waits for this save's reads: the stager thread starts it now (tiered.overlap.StageAfter)."""
     state: Any = None
