@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import tiered
+from tiered.overlap import stage_after_seconds
 from tiered.units import parse_size
 from baselines import dir_bytes
 from scale_measure import (Row, Run, barrier, dist_group, done_at, gpu_free, measure, rank, restore_check, rss, say,
@@ -409,8 +410,7 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None, float]:
             raise ValueError(f"{name!r}: +AFTER sets an overlapped row's guard(stage_after_ms=AFTER); {base} has none")
         try:
             after = float(after_text)
+            stage_after_seconds(after)  # (the engine's own check)
         except ValueError:
-            after = -1.0
-        if not after >= 0 or after == float("inf"):
-            raise ValueError(f"{name!r}: +{after_text} is not a stage_after_ms (a non-negative number of ms)")
+            raise ValueError(f"{name!r}: +{after_text} is not a stage_after_ms (a non-negative number of ms)") from None
     return base, codec, ms, pack, after
