@@ -286,7 +286,7 @@ def main() -> int:
                     help="scale mode: which rows, in order; a tiered row may pin its codec (tiered_overlap:none); "
                          "ROW@MS runs a row with Python's switch interval at MS ms (sys.setswitchinterval); "
                          "a tiered ROW/SIZE with that budgets.pack_buffer (tiered_overlap/1GiB); an overlapped "
-                         "ROW+MS with guard(stage_after_ms=MS) (tiered_overlap+250); rows that save "
+                         "ROW+MS with guard(stage_after_ms=MS) (tiered_overlap+250; +0: none; default auto); rows that save "
                          "nothing price one part of a save alone: gil_load:TOTALxBURSTxSPAN (ms of Python on "
                          "another thread) and d2h_load:GBxSPAN (copies to pinned host memory; a GPU)")
     ap.add_argument("--gil-watch", action="store_true",

@@ -138,7 +138,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
             row = Row(name, note + (f"; codec: {row_codec}" if row_codec and not load else "")
                       + (f"; sys.setswitchinterval({interval} ms) for the row" if interval else "")
                       + (f"; budgets.pack_buffer: {format_size(pack)}" if pack else "")
-                      + (f"; guard(stage_after_ms={run.stage_after_ms:g})" if run.stage_after_ms else ""))
+                      + (f"; guard(stage_after_ms={run.stage_after_ms:g})" if run.stage_after_ms != "auto" else ""))
             old_interval = sys.getswitchinterval()
             try:
                 if name.startswith("tiered"):

@@ -505,8 +505,8 @@ class Run:
     """The tiered row's `budgets.pack_buffer` where its name pins one (`ROW/SIZE`), else the default."""
     load: str = ""
     """A row that saves nothing: its load, the ":" part of its name (`gil_load:100x0.5x500`)."""
-    stage_after_ms: float = 0.0
-    """An overlapped row's `guard(stage_after_ms=...)`, where its name sets one (`ROW+MS`)."""
+    stage_after_ms: float | str = "auto"
+    """An overlapped row's `guard(stage_after_ms=...)`: the default, or what its name sets (`ROW+MS`)."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""

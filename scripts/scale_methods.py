@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import tiered
-from tiered.overlap import stage_after_seconds
+from tiered.stage_after import stage_after_seconds
 from tiered.units import parse_size
 from baselines import dir_bytes
 from scale_measure import (Row, Run, barrier, dist_group, done_at, gpu_free, measure, rank, restore_check, rss, say,
@@ -371,14 +371,14 @@ LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec}
 """The rows that save nothing, and the reader of each one's load (the ":" part of its name)."""
 
 
-def row_spec(name: str) -> tuple[str, str, float | None, int | None, float]:
+def row_spec(name: str) -> tuple[str, str, float | None, int | None, float | str]:
     """(method, codec or "", switch interval in ms or None, pack buffer bytes or None, stage_after_ms)
     of a row named on the command line: METHOD[:CODEC][@MS][/PACK][+AFTER] (tiered_overlap:none:
     that row's codec pinned; tiered_overlap@0.1: Python's switch interval during the row;
     tiered_overlap/1GiB: that row's engine with `budgets.pack_buffer: 1GiB`, so a save's waves of 1
     MiB chunks are up to 1,024 chunks, not 256; tiered_overlap+250: its guards'
-    `stage_after_ms=250`). ValueError naming what is wrong. Compare rows of different budgets in
-    separate processes: an engine made after another closed finds less GPU memory free than the
+    `stage_after_ms=250`, +0 none; without +AFTER, or +auto, the default "auto"). ValueError
+    naming what is wrong. Compare rows of different budgets in separate processes: an engine made after another closed finds less GPU memory free than the
     first did (the first's buffers stay in torch's cache) and sizes its slab from that (GPU run
     309); with the cache emptied in between, the next row's training ran out of GPU memory before
     its first save (run 310; not investigated)."""
@@ -404,10 +404,10 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None, float]:
             pack = parse_size(pack_text)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{name!r}: /{pack_text} is not a size ({exc})") from None
-    after = 0.0
-    if plus:
-        if not base.startswith("tiered_overlap"):
-            raise ValueError(f"{name!r}: +AFTER sets an overlapped row's guard(stage_after_ms=AFTER); {base} has none")
+    after: float | str = "auto"
+    if plus and not base.startswith("tiered_overlap"):
+        raise ValueError(f"{name!r}: +AFTER sets an overlapped row's guard(stage_after_ms=AFTER); {base} has none")
+    if plus and after_text != "auto":
         try:
             after = float(after_text)
             stage_after_seconds(after)  # (the engine's own check)

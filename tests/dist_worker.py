@@ -322,7 +322,8 @@ def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
             raise SystemExit(f"rank {dist.get_rank()}: step {s}: {out['extra']} or 'new' differs after load")
 
 
-def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool, stage_after_ms: float = 0) -> None:
+def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool,
+                  stage_after_ms: float | str = "auto") -> None:
     """Guarded saves at N ranks (`Engine.guard`). With `defer_walk=True`, from the second save
     on each call clones what is unguarded and returns, and the stager thread plans with DCP (the
     walk, the all-reduce) and reads the state; `auto`: the default guard, with every walk long
@@ -333,8 +334,10 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool, s
     state lies (cuda: each rank's GPU, with scripts/gpu_dist_check.sh). `own_group`: the engine
     plans on a gloo group of its own (an NCCL default group); on a CPU default group, which
     training's collectives use too, it plans in the call even with `defer_walk=True`.
-    `stage_after_ms` (long): each save's reads start only when something waits for them: the
-    optimizer step, or (every other save) the handle's `wait()` before it."""
+    `stage_after_ms` (a long number): each save's reads start only when something waits for
+    them: the optimizer step, or (every other save) the handle's `wait()` before it; by default
+    the guard's "auto"."""
+    long_wait = stage_after_ms != "auto" and stage_after_ms > 0
     defers = own_group and not auto
     import tiered.save
 
@@ -370,7 +373,7 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool, s
             {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
         handle = engine.save(s, st)
         buf.add_(1.0)  # (unguarded: the call cloned it)
-        if stage_after_ms and s % 2:
+        if long_wait and s % 2:
             handle.wait()  # (starts the reads: stage_after_ms)
         one_step()  # (waits for the reads: the guard)
         handle.wait()
@@ -379,7 +382,7 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool, s
             raise SystemExit(f"rank {rank}: save {s} was not deferred to the stager thread: {sorted(timed)}")
         if (s == step or not defers) and "stager_plan_ms" in timed:
             raise SystemExit(f"rank {rank}: save {s} was deferred ({'the first' if defers else 'auto' if auto else 'on the default group'})")
-    if stage_after_ms and time.perf_counter() - t0 > stage_after_ms / 2e3:
+    if long_wait and time.perf_counter() - t0 > stage_after_ms / 2e3:
         raise SystemExit(f"rank {rank}: the saves waited out stage_after_ms ({time.perf_counter() - t0:.1f} s)")
     for s, (model, b, adam) in want.items():
         params_out = {k: torch.zeros(64, 33, device=device) for k in params}
@@ -414,7 +417,8 @@ def main() -> None:
                     "of its own, made once")
     ap.add_argument("--auto", action="store_true", help="save-guarded: the default guard (defer_walk=None)")
     ap.add_argument("--cuda", action="store_true", help="save-guarded: the state on each rank's GPU (NCCL)")
-    ap.add_argument("--stage-after", type=float, default=0.0, help="save-guarded: guard(stage_after_ms=...)")
+    ap.add_argument("--stage-after", type=float, default=None, help="save-guarded: guard(stage_after_ms=...), "
+                    "not auto")
     ap.add_argument("--repeats", type=int, default=0,
                     help="after the save of --step, save steps step+1..step+N (warm: the cached plan) and print "
                          "how long each blocked the training loop")
@@ -443,7 +447,8 @@ def main() -> None:
             saves_without_full_collections(engine, args.step)
         elif args.mode == "save-guarded":
             guarded_saves(engine, args.step, args.auto, "cuda" if cuda else "cpu",
-                          own_group=args.as_nccl or "gloo" not in dist.get_backend(), stage_after_ms=args.stage_after)
+                          own_group=args.as_nccl or "gloo" not in dist.get_backend(),
+                          stage_after_ms="auto" if args.stage_after is None else args.stage_after)
         elif args.mode == "save":
             if args.how == "engine":
                 if args.reserve:

@@ -1017,14 +1017,14 @@ def test_the_scale_benchs_load_rows_read_their_load_and_gil_load_holds_the_gil_t
     alone): their specs are checked when the row is named, and gil_load's burn takes its total
     of the thread's CPU time over about its span. (d2h_load needs a GPU: GPU runs.)"""
     methods = _script("scale_methods")
-    assert methods.row_spec("gil_load:50x1x200") == ("gil_load", "50x1x200", None, None, 0.0)
+    assert methods.row_spec("gil_load:50x1x200") == ("gil_load", "50x1x200", None, None, "auto")
     assert methods.gil_load_spec("") == (100.0, 0.5, 500.0)
     assert methods.gil_load_spec("40") == (40.0, 0.5, 500.0)
     assert methods.gil_load_spec("40x2") == (40.0, 2.0, 500.0)
     for bad in ("gil_load:x", "gil_load:0", "gil_load:10x20", "gil_load:1x2x3x4", "gil_load:10x0"):
         with pytest.raises(ValueError, match="gil_load:"):
             methods.row_spec(bad)
-    assert methods.row_spec("d2h_load:8x300") == ("d2h_load", "8x300", None, None, 0.0)
+    assert methods.row_spec("d2h_load:8x300") == ("d2h_load", "8x300", None, None, "auto")
     assert methods.d2h_load_spec("") == (20.0, 0.0) and methods.d2h_load_spec("4") == (4.0, 0.0)
     for bad in ("d2h_load:0", "d2h_load:4x-1", "d2h_load:1x2x3", "d2h_load:lots"):
         with pytest.raises(ValueError, match="d2h_load:"):
@@ -1037,10 +1037,12 @@ def test_the_scale_benchs_load_rows_read_their_load_and_gil_load_holds_the_gil_t
 
 def test_the_scale_bench_reads_a_rows_codec_switch_interval_pack_buffer_and_stage_after_from_its_name():
     methods = _script("scale_methods")
-    assert methods.row_spec("tiered_overlap") == ("tiered_overlap", "", None, None, 0.0)
-    assert methods.row_spec("tiered_overlap:none@0.1/1GiB") == ("tiered_overlap", "none", 0.1, 1 << 30, 0.0)
-    assert methods.row_spec("tiered/512MiB") == ("tiered", "", None, 512 << 20, 0.0)
+    assert methods.row_spec("tiered_overlap") == ("tiered_overlap", "", None, None, "auto")
+    assert methods.row_spec("tiered_overlap:none@0.1/1GiB") == ("tiered_overlap", "none", 0.1, 1 << 30, "auto")
+    assert methods.row_spec("tiered/512MiB") == ("tiered", "", None, 512 << 20, "auto")
     assert methods.row_spec("tiered_overlap+250") == ("tiered_overlap", "", None, None, 250.0)
+    assert methods.row_spec("tiered_overlap+0") == ("tiered_overlap", "", None, None, 0.0)
+    assert methods.row_spec("tiered_overlap+auto") == ("tiered_overlap", "", None, None, "auto")
     assert methods.row_spec("tiered_overlap_deferred:ans/1GiB+0.5") == ("tiered_overlap_deferred", "ans", None,
                                                                           1 << 30, 0.5)
     for bad in ("tiered_overlap+", "tiered_overlap+-5", "tiered_overlap+soon", "tiered_overlap+inf",

@@ -536,7 +536,7 @@ def test_stage_after_ms_starts_the_read_that_long_after_the_call_unless_somethin
 def test_stage_after_ms_must_be_a_non_negative_number_of_milliseconds(tier_config, bad):
     model, opt = trained_model("cpu", steps=1)
     with tiered.Engine.from_config(tier_config()) as engine:
-        with pytest.raises(ValueError, match="stage_after_ms must be a non-negative number of milliseconds"):
+        with pytest.raises(ValueError, match="stage_after_ms must be .auto. or a non-negative number of milliseconds"):
             engine.guard(opt, stage_after_ms=bad)
         assert not opt._optimizer_step_pre_hooks, "nothing guarded"
         engine.save(1, _state(model, opt)).wait()

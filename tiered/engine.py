@@ -156,7 +156,7 @@ class Engine:
                 return self._dist.save(step, state_dict)
             return self.saves.save(step, state_dict)
 
-    def guard(self, optimizer: Any, *, defer_walk: bool | None = None, stage_after_ms: float = 0) -> Any:
+    def guard(self, optimizer: Any, *, defer_walk: bool | None = None, stage_after_ms: float | str = "auto") -> Any:
         """Overlap saves with the next forward and backward, in one line for the common loop.
 
         From now on `save()` returns at once: the state is read on a side stream (another thread
@@ -167,9 +167,9 @@ class Engine:
         calls leave it to that thread, before the optimizer step: until then the state's dicts and
         non-tensor values must not change (`defer_walk=True`: from the first save or `reserve`
         after this, under torchrun DCP's plan too; False: never). `stage_after_ms`: that thread
-        starts a save no sooner, unless the optimizer step or a wait comes first (StageAfter, in
-        tiered.overlap). Guarded tensors changed other than by `optimizer.step()` need
-        `order_updates()` first. `remove()` makes saves strict."""
+        starts a save no sooner, unless the step or a wait comes first ("auto": sized from the
+        loop's step time, tiered.stage_after; 0: at once). Guarded tensors changed other than by
+        `optimizer.step()` need `order_updates()` first. `remove()` makes saves strict."""
         return self.saves.guard(optimizer, defer_walk, stage_after_ms)
 
     def reserve(self, state: Any, *, local: bool = False) -> None:

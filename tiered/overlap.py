@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import threading
-import time
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -284,64 +281,6 @@ def recorded(index: int) -> Any:
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(index))
     return ev
-
-
-def stage_after_seconds(stage_after_ms: Any) -> float:
-    """`Engine.guard`'s `stage_after_ms` in seconds; ValueError naming it where it is not a
-    non-negative number of milliseconds."""
-    if isinstance(stage_after_ms, bool) or not isinstance(stage_after_ms, (int, float)) or \
-            not math.isfinite(stage_after_ms) or stage_after_ms < 0:
-        raise ValueError(f"stage_after_ms must be a non-negative number of milliseconds, got {stage_after_ms!r}")
-    return stage_after_ms / 1e3
-
-
-class StageAfter:
-    """How long after `save()`'s call the stager thread waits before it walks, plans and reads an
-    overlapped save: the longest `stage_after_ms` among the standing guards (`Engine.guard`),
-    cut short once anything waits for the save's reads (`hurry`: a guarded optimizer step, the
-    next save's call, the engine's or the handle's `wait`, `close`).
-
-    Why wait: right after a save's call the training thread has queued little GPU work (a loop
-    that reads its loss each step has queued none), and while another thread runs Python it
-    launches little; the GPU then stands idle. Beside a 24 GB loop on an H200, 40 and 100 ms
-    of another thread's Python at a step's start cost that step 41 and 98 ms, with Python's
-    switch interval at 5 ms and at 0.1 ms alike, while 200 ms of it in 0.5 ms bursts over half a
-    second cost nothing measurable; the engine's stager thread started 250 ms after the call
-    stalled 50.4 ms (43.1-55.1) against 70.5 (61.6-98.1) (docs/benchmarks.md, session 38). The
-    cost: where the optimizer step comes before the wait is over, it waits for the whole read
-    (logged once), so a loop's forward and backward must outlast the wait and the read."""
-
-    def __init__(self) -> None:
-        self._by: dict[int, float] = {}
-        self._logged = False
-
-    def set(self, optimizer: Any, seconds: float) -> None:
-        """A guard of `optimizer` asks for `seconds` (0: nothing); the log says when the longest changes."""
-        if seconds > 0:
-            before = max(self._by.values(), default=0.0)
-            self._by[id(optimizer)] = seconds
-            if seconds > before:
-                log.info("tiered: overlapped saves are read from %.0f ms after save() on (sooner where the optimizer "
-                         "step or a wait for the save comes first)", 1e3 * seconds)
-
-    def drop(self, optimizer: Any) -> None:
-        self._by.pop(id(optimizer), None)
-
-    def wait(self, started: float, hurry: threading.Event, step: int, timings: dict[str, float]) -> None:
-        """On the stager thread, before a save that `save()` started at `started` (perf_counter):
-        wait until the longest `stage_after_ms` has passed since, or until `hurry` is set."""
-        delay = max(self._by.values(), default=0.0)
-        t0 = time.perf_counter()
-        if delay <= 0 or t0 >= started + delay:
-            return
-        cut = hurry.wait(started + delay - t0)  # (set already: the optimizer step came before this thread did)
-        timings["stage_after_ms"] = 1e3 * (time.perf_counter() - t0)
-        if cut and not self._logged:
-            self._logged = True
-            log.warning("tiered: step %d: something waited for the save's reads (the optimizer step, or a wait) "
-                        "%.0f ms after save(), before guard(stage_after_ms=%.0f) had passed: it waited for the whole "
-                        "read of the state; a lower stage_after_ms (or 0) overlaps it with more of the step", step,
-                        1e3 * (time.perf_counter() - started), 1e3 * delay)
 
 
 class Guard:

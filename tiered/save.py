@@ -49,13 +49,14 @@ from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import Manifest
 from tiered.handle import RankFiles, SaveHandle
-from tiered.overlap import (Guard, Guarded, Learned, StageAfter, clone_after, deferred_plan, overlap_plan, recorded,
-                            say_new, stage_after_seconds, to_clone)
+from tiered.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
+                            to_clone)
 from tiered.plan import PlanCache, SavePlan, make_plan
 from tiered.probe import FastTierCodec
 from tiered.records import RecordLog, records_root, save_record
 from tiered.runtime import Workers
 from tiered.save_write import END, Abort, Job, complete_after, drain, settle, write_rank
+from tiered.stage_after import StageAfter, stage_after_seconds
 from tiered.step_tier import StepTier
 from tiered.units import format_size
 from tiered.version import __version__
@@ -123,14 +124,15 @@ class SavePipeline:
         self._watch = Watch(self._steps_in_flight, lambda: self.progress)
 
     # --- overlapping saves with the next forward and backward ------------------------------------
-    def guard(self, optimizer: Any, defer_walk: bool | None = None, stage_after_ms: float = 0) -> Guard:
+    def guard(self, optimizer: Any, defer_walk: bool | None = None, stage_after_ms: float | str = "auto") -> Guard:
         """From now on `save()` returns before the state has been read, and `optimizer.step()`
         waits until it has (tiered.overlap says what is guarded and what is cloned instead).
         `defer_walk`: the stager thread walks the state, not the call, once a save has seen it:
         True, always; None, once a save's walk in its call took `DEFER_AFTER_MS`; False, never.
         A guard standing with False keeps the walk in the call; one with None keeps the rule.
         `stage_after_ms`: the stager thread starts each save no sooner than this after its call
-        (the longest of the standing guards'), unless something waits for it first."""
+        (the longest of the standing guards'; "auto": tiered.stage_after), unless something waits
+        for it first."""
         after = stage_after_seconds(stage_after_ms)  # (ValueError before anything is guarded)
         self._guards.append(optimizer)
         self._stage_after.set(optimizer, after)
@@ -140,7 +142,7 @@ class SavePipeline:
             self._walk_in_call.append(optimizer)
         if self._stager is None:
             self._stager = threads.start(self._stager_loop, name="tiered-stager")
-        return Guard(optimizer, optimizer.register_step_pre_hook(lambda *_: self.order_updates()),
+        return Guard(optimizer, optimizer.register_step_pre_hook(lambda *_: self._stepped(optimizer)),
                      self.order_updates, self._unguard)
 
     def _unguard(self, optimizer: Any) -> None:
@@ -148,6 +150,10 @@ class SavePipeline:
         for kept in (self._guards, self._walk_in_call, self._walk_auto):
             if optimizer in kept:
                 kept.remove(optimizer)
+
+    def _stepped(self, optimizer: Any) -> None:
+        self._stage_after.stepped(optimizer)
+        self.order_updates()
 
     def order_updates(self) -> None:
         """Make the current streams wait until every overlapped save has read the state (a guarded

@@ -67,7 +67,7 @@ class Job:
     overlapped: bool = False
     """Read beside the next forward and backward (`guard`), not strictly: it may wait `stage_after_ms`."""
     hurry: threading.Event = field(default_factory=threading.Event)
-    """Something waits for this save's reads: the stager thread starts it now (tiered.overlap.StageAfter)."""
+    """Something waits for this save's reads: the stager thread starts it now (tiered.stage_after.StageAfter)."""
     state: Any = None
     """A deferred save's state, until the stager thread has walked it (tiered.overlap: `Learned`)."""
     clones: dict[Any, Any] = field(default_factory=dict)

@@ -1,0 +1,116 @@
+"""`Engine.guard`'s default `stage_after_ms="auto"`: the stager waits as long as the loop's step
+leaves room for, measured from the guarded optimizer's steps and the last save's read."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+import tiered
+from tiered.stage_after import AUTO_MAX_MS, READ_MARGIN, StageAfter, stage_after_seconds
+from helpers import assert_same, trained_model
+
+
+def _steps(stage: StageAfter, opt: object, n: int, every: float) -> None:
+    for _ in range(n):
+        time.sleep(every)
+        stage.stepped(opt)
+
+
+def _read(stage: StageAfter, read_s: float) -> dict:
+    """One save through `wait` whose read then took `read_s` (its handle's staged_ms, as the engine sets it)."""
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    stage.wait(started, threading.Event(), 1, timings)
+    timings["staged_ms"] = 1e3 * (time.perf_counter() - started + read_s)
+    return timings
+
+
+def test_auto_waits_a_quarter_step_then_what_the_last_read_leaves_of_it_at_most_250_ms():
+    stage, opt = StageAfter(), object()
+    stage.set(opt, stage_after_seconds("auto"))
+    assert stage.auto_seconds() == (0.0, 0.0, None), "no step seen: no wait"
+    stage.stepped(opt)
+    assert stage.auto_seconds() == (0.0, 0.0, None), "one step: no interval yet"
+    _steps(stage, opt, 2, 0.4)
+    chosen, period, read = stage.auto_seconds()
+    assert 0.39 < period < 1.0 and read is None
+    assert chosen == pytest.approx(min(AUTO_MAX_MS / 1e3, period / 4)), "no save read yet: a quarter of the step"
+    first = _read(stage, 0.2)
+    assert first["stage_after_ms"] >= 0.9 * 1e3 * chosen, "the stager waited what auto chose"
+    chosen, period, read = stage.auto_seconds()
+    assert read == pytest.approx(0.2, abs=0.02)
+    assert chosen == pytest.approx(max(0.0, min(AUTO_MAX_MS / 1e3, period - READ_MARGIN * read)), abs=1e-9)
+    _read(stage, 0.0)
+    assert stage.auto_seconds()[0] == pytest.approx(min(AUTO_MAX_MS / 1e3, stage.auto_seconds()[1]), abs=0.03)
+    _read(stage, 0.35)  # 1.5 x 0.35 s outlasts the step: wait for nothing
+    assert stage.auto_seconds()[0] == 0.0
+    assert "stage_after_ms" not in _read(stage, 0.0), "a save with no room to wait does not"
+
+
+def test_auto_follows_the_quickest_guarded_optimizer_and_a_fixed_wait_longer_than_it_wins():
+    stage, slow, quick = StageAfter(), object(), object()
+    stage.set(slow, None)
+    stage.set(quick, None)
+    _steps(stage, slow, 2, 0.4)
+    _steps(stage, quick, 2, 0.1)
+    chosen, period, _ = stage.auto_seconds()
+    assert 0.09 < period < 0.4 and chosen == pytest.approx(period / 4), "the step that comes first bounds the wait"
+    stage.drop(quick)
+    assert stage.auto_seconds()[1] > 0.39
+    stage.set(quick, 0.3)
+    timings = _read(stage, 0.0)
+    assert timings["stage_after_ms"] >= 290, "a fixed 300 ms beside auto's ~100: the longest"
+
+
+@pytest.mark.parametrize("bad", ["AUTO", "soon", b"auto", -0.5])
+def test_stage_after_ms_names_auto_in_its_error(bad):
+    with pytest.raises(ValueError, match="must be 'auto' or a non-negative number of milliseconds"):
+        stage_after_seconds(bad)
+
+
+def _loop_step(model, opt, pause: float) -> None:
+    loss = model(torch.randn(32, 256)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    time.sleep(pause)  # (forward and backward of a larger model)
+    opt.step()
+
+
+def test_the_default_guard_waits_as_the_loop_leaves_room_and_says_so_once(tier_config, caplog):
+    """A loop of 0.4 s steps under `guard(opt)`: the first save before any step reads at once,
+    the next ones wait (a quarter of the step, then up to 250 ms), the log says what auto chose
+    once, and every step restores to the state at its save. `stage_after_ms=0` never waits."""
+    model, opt = trained_model("cpu", steps=1)
+    want = {}
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(tier_config("zstd")) as engine:
+        guard = engine.guard(opt)
+        waits = []
+        for step in range(1, 5):
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            want[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            handle = engine.save(step, state)
+            _loop_step(model, opt, 0.4)
+            handle.wait()
+            waits.append(handle.timings.get("stage_after_ms", 0.0))
+            if step == 1:
+                _loop_step(model, opt, 0.4)  # (two steps: the interval auto measures)
+        assert waits[0] == 0.0, "no step interval seen before the first save: it read at once"
+        assert all(w > 50 for w in waits[1:]), waits
+        guard.remove()
+        engine.guard(opt, stage_after_ms=0)
+        handle = engine.save(9, {"model": model.state_dict(), "optim": opt.state_dict()})
+        _loop_step(model, opt, 0.4)
+        handle.wait()
+        assert "stage_after_ms" not in handle.timings, "0: at once"
+    said = [r.getMessage() for r in caplog.records if "stage_after_ms='auto'" in r.getMessage()]
+    assert len(said) == 1 and "the optimizer steps every" in said[0], said
+    assert not any("before the" in r.getMessage() and "auto') chose" in r.getMessage() for r in caplog.records), \
+        "the optimizer step came after each wait: none cut short"
+    with tiered.Engine.from_config(tier_config("zstd")) as engine:
+        for step, model_state in want.items():
+            assert_same(dict(engine.load(step)["model"]), model_state)
