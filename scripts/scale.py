@@ -15,10 +15,12 @@ free. Side by side, one method after another on the same state and disk:
                the engine is made before the row's windows with `engine.reserve(state)`, its
                start-up line, and pinning its host staging memory in the background is waited
                for before the first save and reported (`pin_s`)
-  tiered_overlap  the same engine with `engine.guard(optimizer)` for every optimizer: save()
-               returns at once, the state is read beside the next forward and backward, and
-               the optimizer step waits for it; once a call's walk of the state took 10 ms,
-               the stager thread walks it (since session 33; before, every call walked it)
+  tiered_overlap  the same engine with `engine.guard(optimizer)` for every optimizer, then
+               reserved again: save() returns at once, the state is read beside the next
+               forward and backward, and the optimizer step waits for it; once a walk of the
+               state (reserve's, since session 39, or a call's) took 10 ms, the stager thread
+               walks it (since session 33; before, every call walked it); the stager starts a
+               save's reads when `stage_after_ms="auto"` says (session 39; before, at once)
   tiered_overlap_deferred  the same with `guard(optimizer, defer_walk=True)`, the engine reserved
                again once guarded: from the first save on, save() walks nothing, the stager
                thread walks the state (session 32; in runs 291-292 this was `tiered_overlap`)

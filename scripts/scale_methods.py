@@ -98,8 +98,7 @@ def run_tiered(row: Row, run: Run, base: float) -> None:
 def run_tiered_overlap(row: Row, run: Run, base: float, defer_walk: bool | None = None) -> None:
     engine = tiered_engine(run)
     guards = [engine.guard(opt, defer_walk=defer_walk, stage_after_ms=run.stage_after_ms) for opt in run.optimizers]
-    if defer_walk:  # (reserved again, guarded now, as a loop that guards at set-up and reserves after its first step)
-        engine.reserve(run.state)
+    engine.reserve(run.state)  # (again, guarded now, as a loop that guards at set-up and reserves after its first step)
     try:
         _tiered_row(row, run, base, {None: 100, True: 200, False: 300}[defer_walk])
     finally:
@@ -378,10 +377,11 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None, float | str
     tiered_overlap/1GiB: that row's engine with `budgets.pack_buffer: 1GiB`, so a save's waves of 1
     MiB chunks are up to 1,024 chunks, not 256; tiered_overlap+250: its guards'
     `stage_after_ms=250`, +0 none; without +AFTER, or +auto, the default "auto"). ValueError
-    naming what is wrong. Compare rows of different budgets in separate processes: an engine made after another closed finds less GPU memory free than the
-    first did (the first's buffers stay in torch's cache) and sizes its slab from that (GPU run
-    309); with the cache emptied in between, the next row's training ran out of GPU memory before
-    its first save (run 310; not investigated)."""
+    naming what is wrong. Compare rows of different budgets in separate processes: an engine
+    made after another closed finds less GPU memory free than the first did (the first's buffers
+    stay in torch's cache) and sizes its slab from that (GPU run 309); with the cache emptied in
+    between, the next row's training ran out of GPU memory before its first save (run 310; not
+    investigated)."""
     spec, plus, after_text = name.partition("+")
     spec, slash, pack_text = spec.partition("/")
     spec, at, interval = spec.partition("@")

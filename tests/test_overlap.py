@@ -416,9 +416,10 @@ def test_a_guard_keeps_the_walk_in_the_call_unless_asked_to_defer_it(tier_config
 @pytest.mark.parametrize("walk_ms", [0.0, 1e9])
 def test_by_default_a_guarded_save_defers_the_walk_once_a_call_has_taken_long_to_walk(tier_config, monkeypatch,
                                                                                        caplog, walk_ms):
-    """`guard(optimizer)`: a call's walk and plan that took `DEFER_AFTER_MS` (a large state) makes
-    the next saves walk on the stager thread, said once in the log; a shorter one keeps the walk
-    in the call. `reserve` decides nothing: the first save's call walks."""
+    """`guard(optimizer)`: a walk and plan that took `DEFER_AFTER_MS` (a large state) in
+    `reserve` (after the guard) or in a save's call makes the saves after it walk on the stager
+    thread, said once in the log; a shorter one keeps the walk in the call. Without `reserve`
+    the first save's call walks and decides."""
     from tiered import save as save_module
 
     monkeypatch.setattr(save_module, "DEFER_AFTER_MS", walk_ms)
@@ -433,12 +434,18 @@ def test_by_default_a_guarded_save_defers_the_walk_once_a_call_has_taken_long_to
             engine.save(step, _state(model, opt)).wait()
         walked = list(walks.threads)
         assert all(_equal(engine.load(step), want) for step in (1, 2, 3))
-    deferred = [r.getMessage() for r in caplog.records if "from the next save on, the stager thread" in r.getMessage()]
+    del walks.threads[:]
+    with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(tier_config()) as engine:
+        engine.guard(opt)  # (no reserve: the first save's call decides)
+        for step in (4, 5):
+            engine.save(step, _state(model, opt)).wait()
+    deferred = [r.getMessage() for r in caplog.records if "on, the stager thread does" in r.getMessage()]
     if walk_ms == 0.0:
-        assert walked == ["MainThread"] * 2 + ["tiered-stager"] * 2
-        assert len(deferred) == 1 and "tensors) in" in deferred[0]
+        assert walked == ["MainThread"] + ["tiered-stager"] * 3, "reserve() walked, then the stager thread"
+        assert len(deferred) == 2 and "reserve() walked" in deferred[0] and "tensors) in" in deferred[0]
+        assert "save() walked" in deferred[1] and walks.threads == ["MainThread", "tiered-stager"]
     else:
-        assert walked == ["MainThread"] * 4 and not deferred
+        assert walked == ["MainThread"] * 4 and not deferred and walks.threads == ["MainThread"] * 2
 
 
 def test_new_tensors_too_large_to_clone_are_read_as_they_are_and_the_next_save_is_strict(tier_config, monkeypatch,

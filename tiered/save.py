@@ -198,15 +198,25 @@ class SavePipeline:
         the first save of its structure reuses the plan and the layout and loads no kernel.
         Returns its tensors' bytes."""
         self.wait_planned()
+        t0 = time.perf_counter()
         leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
+        walked_s = time.perf_counter() - t0
         structure = tree.structure_of(state_dict)
         tensors = [leaf.tensor for leaf in leaves]
         self.workers.prepare(tensors)
         if self.codec.pending:  # codec: auto decides now, not beside training after the first save
             self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
+        t1 = time.perf_counter()
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
-        if self._guards and not self._walk_in_call and not self._walk_auto:  # (nor the first call)
+        walked_ms = 1e3 * (walked_s + time.perf_counter() - t1)  # (a guarded save's call learns by the same rule)
+        if self._guards and not self._walk_in_call and (
+                not self._walk_auto or not rank_only and walked_ms >= DEFER_AFTER_MS):
             self._learn(made)
+            if self._walk_auto and self._learned is not None and not self._logged_defer:
+                self._logged_defer = True
+                log.info("tiered: reserve() walked and planned the state (%d tensors) in %.1f ms: from the first save "
+                         "on, the stager thread does, before the optimizer step (guard(optimizer, defer_walk=False) "
+                         "keeps it in save())", len(made.tensors), walked_ms)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
         copied, rest = self._cpu_copies.split(made.cpu)

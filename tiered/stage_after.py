@@ -4,21 +4,24 @@ Right after a save's call the training thread has queued little GPU work (a loop
 loss each step has queued none), and while another thread runs Python it launches little; the
 GPU then stands idle. Beside a 24 GB loop on an H200, 40 and 100 ms of another thread's Python at
 a step's start cost that step 41 and 98 ms, with Python's switch interval at 5 ms and at 0.1 ms
-alike, while 200 ms of it in 0.5 ms bursts over half a second cost nothing measurable; the
-stager started 250 ms after the call stalled the loop 34.1 ms (28.7-41.7) against 81.4
-(76.8-89.7) at once, with time to durable 12.13 s against 12.53 (docs/benchmarks.md, sessions 38
-and 39). The cost of a wait: where the optimizer step comes before the read is done, the step
-waits for the rest of it, so the wait is worth it only where the loop's forward and backward
-outlast the wait and the read.
+alike, while 200 ms of it in 0.5 ms bursts over half a second cost nothing measurable. The cost
+of a wait: where the optimizer step comes before the read is done, its GPU work waits for the rest
+of it, so a wait pays only where the loop's forward and backward outlast the wait and the read.
 
 `stage_after_ms="auto"` (the default) sizes the wait from the loop itself: the time between a
-guarded optimizer's steps (the median of its last `PERIODS` intervals) less `READ_MARGIN` times
-how long the stager took to walk, plan and read the last overlapped save, at most
-`AUTO_MAX_MS` (the measured one; longer waits are untried); before a save has been read, a
-quarter of that time; with no two steps seen yet, none. A loop whose step is shorter than its
-reads (the benchmark's 2.4 GB state: 47 ms steps, 41 ms reads) waits for nothing. A number of ms
-waits that long; 0 never waits. Any wait ends as soon as anything waits for the save's reads: a
-guarded optimizer step, the next save's call, the engine's or the handle's `wait`, `close`.
+guarded optimizer's steps (the median of its last `PERIODS` intervals, as its `step()` is
+called) less `READ_MARGIN` times how long the stager took to walk, plan and read the last
+overlapped save, at most `AUTO_MAX_MS` (the one measured; longer waits are untried); before a
+save has been read, a quarter of that time; with no two steps seen yet, none. A number of ms waits
+that long; 0 never waits. Any wait ends as soon as anything waits for the save's reads: a guarded
+optimizer step, the next save's call, the engine's or the handle's `wait`, `close`. Since a loop's
+host thread launches the optimizer step ahead of the GPU, that often comes first where steps are
+short; the reads then start there, still beside the forward and backward the GPU has queued.
+
+Measured on an H200 against `stage_after_ms=0` in the same run (docs/benchmarks.md, session 39):
+a 24 GB state (1.74 s steps, 0.5 s reads): auto waited 250 ms, stall 40.4 ms (27.0-41.4) against
+89.4 (66.8-107.9), durable 14.17 s against 14.78; a 2.4 GB state (170 ms steps): auto chose 43-92
+ms, the optimizer step came first at ~36 ms, stall 30.3 ms (9.2-32.5) against 44.4 (28.2-48.7).
 """
 
 from __future__ import annotations
@@ -124,12 +127,15 @@ class StageAfter:
         if delay > 0 and t0 < started + delay:
             cut = hurry.wait(started + delay - t0)  # (set already: the optimizer step came before this thread did)
             timings["stage_after_ms"] = 1e3 * (time.perf_counter() - t0)
-            if cut and not self._logged_cut:
+            auto = None in self._by.values()
+            if cut and auto:
+                log.debug("tiered: step %d: the reads start %.0f ms after save(), before the %.0f ms that "
+                          "stage_after_ms='auto' chose: something waits for them", step,
+                          1e3 * (time.perf_counter() - started), 1e3 * delay)
+            elif cut and not self._logged_cut:
                 self._logged_cut = True
                 log.warning("tiered: step %d: something waited for the save's reads (the optimizer step, or a wait) "
                             "%.0f ms after save(), before %s had passed: it waited for the whole read of the "
                             "state; a lower stage_after_ms (or 0) overlaps it with more of the step", step,
-                            1e3 * (time.perf_counter() - started),
-                            f"the {1e3 * delay:.0f} ms that guard(stage_after_ms='auto') chose"
-                            if None in self._by.values() else f"guard(stage_after_ms={1e3 * delay:.0f})")
+                            1e3 * (time.perf_counter() - started), f"guard(stage_after_ms={1e3 * delay:.0f})")
         self._last = timings, 1e3 * (time.perf_counter() - started) + timings.get("plan_ms", 0.0)
