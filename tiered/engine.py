@@ -160,16 +160,16 @@ class Engine:
         """Overlap saves with the next forward and backward, in one line for the common loop.
 
         From now on `save()` returns at once: the state is read on a side stream (another thread
-        issues the work) while training runs on, and `optimizer.step()` (what changes parameters
-        and optimizer state) first makes its stream wait until that is done. The rest of the state
+        issues the work) while training runs on, and `optimizer.step()` (what changes parameters and
+        optimizer state) first makes its stream wait until that is done. The rest of the state
         (buffers, an EMA copy) is cloned in `save()` (tiered.overlap; beyond a limit the save is
-        strict, logged once). Once a call's walk took 10 ms (a large state, one process), later
-        calls leave it to that thread, before the optimizer step: until then the state's dicts and
-        non-tensor values must not change (`defer_walk=True`: from the first save or `reserve`
-        after this, under torchrun DCP's plan too; False: never). `stage_after_ms`: that thread
-        starts a save no sooner, unless the step or a wait comes first ("auto": sized from the
-        loop's step time, tiered.stage_after; 0: at once). Guarded tensors changed other than by
-        `optimizer.step()` need `order_updates()` first. `remove()` makes saves strict."""
+        strict, logged once). Once a walk took 10 ms (a call's, or `reserve`'s after this; one
+        process), later calls leave it to that thread, before the optimizer step: until then the
+        state's dicts and non-tensor values must not change (`defer_walk=True`: from the first save
+        or `reserve` after this, under torchrun DCP's plan too; False: never). `stage_after_ms`:
+        that thread starts a save no sooner, unless the step or a wait comes first ("auto": sized
+        from the loop's step time, tiered.stage_after; 0: at once). Guarded tensors changed other
+        than by `optimizer.step()` need `order_updates()` first. `remove()` makes saves strict."""
         return self.saves.guard(optimizer, defer_walk, stage_after_ms)
 
     def reserve(self, state: Any, *, local: bool = False) -> None:

@@ -9,9 +9,9 @@ updated by hand) is not guarded: it is cloned in the caller's stream when `save(
 and saved from the clone. Where that would copy much (more than `CLONE_LIMIT`, or a quarter
 of the GPU memory free), the save is staged strictly instead, and the log says why once.
 
-Once a guarded save's call has walked and planned a large state (`tiered.save.DEFER_AFTER_MS`;
-with `Engine.guard(optimizer, defer_walk=True)` on every guard, once a guarded save has been
-planned, or `Engine.reserve` has planned the state under a guard), the next `save()` walks
+Once a guarded save's call, or `Engine.reserve` under a guard, has walked and planned a large
+state (`tiered.save.DEFER_AFTER_MS`; with `Engine.guard(optimizer, defer_walk=True)` on every
+guard, once either has planned it at all), the next `save()` walks
 nothing: it clones what the last save found unguarded (`Learned`, by the memory it lies in),
 records where training's streams are, and returns; the stager thread walks
 and plans the state (`deferred_plan`) before it reads it, and the guarded optimizer step waits

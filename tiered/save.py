@@ -128,7 +128,7 @@ class SavePipeline:
         """From now on `save()` returns before the state has been read, and `optimizer.step()`
         waits until it has (tiered.overlap says what is guarded and what is cloned instead).
         `defer_walk`: the stager thread walks the state, not the call, once a save has seen it:
-        True, always; None, once a save's walk in its call took `DEFER_AFTER_MS`; False, never.
+        True, always; None, once a walk (a save's call's, or `reserve`'s) took `DEFER_AFTER_MS`.
         A guard standing with False keeps the walk in the call; one with None keeps the rule.
         `stage_after_ms`: the stager thread starts each save no sooner than this after its call
         (the longest of the standing guards'; "auto": tiered.stage_after), unless something waits
