@@ -47,7 +47,7 @@ def test_auto_waits_a_quarter_step_then_what_the_last_read_leaves_of_it_at_most_
     assert chosen == pytest.approx(max(0.0, min(AUTO_MAX_MS / 1e3, period - READ_MARGIN * read)), abs=1e-9)
     _read(stage, 0.0)
     assert stage.auto_seconds()[0] == pytest.approx(min(AUTO_MAX_MS / 1e3, stage.auto_seconds()[1]), abs=0.03)
-    _read(stage, 0.35)  # 1.5 x 0.35 s outlasts the step: wait for nothing
+    _read(stage, 0.7)  # 1.5 x 0.7 s outlasts the step (< 1 s, above): wait for nothing
     assert stage.auto_seconds()[0] == 0.0
     assert "stage_after_ms" not in _read(stage, 0.0), "a save with no room to wait does not"
 
