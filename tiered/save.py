@@ -155,6 +155,24 @@ class SavePipeline:
         self._stage_after.stepped(optimizer)
         self.order_updates()
 
+    def _hurry_all(self) -> None:
+        """Every overlapped save not yet ordered: something waits for it, its stager starts now."""
+        with self._lock:
+            for job in self._unordered:
+                job.hurry.set()
+
+    def _walk_defers(self, walked_ms: float) -> bool:
+        """The guards let a walk of this long make later calls walk nothing (`guard`'s `defer_walk`)."""
+        return not self._walk_in_call and (not self._walk_auto or walked_ms >= DEFER_AFTER_MS)
+
+    def _say_defers(self, who: str, which: str, tensors: int, walked_ms: float) -> None:
+        """Log once that a walk by `who` made the stager thread walk from `which` save on (under `defer_walk=None`)."""
+        if self._walk_auto and self._learned is not None and not self._logged_defer:
+            self._logged_defer = True
+            log.info("tiered: %s walked and planned the state (%d tensors) in %.1f ms: from %s save on, the stager "
+                     "thread does, before the optimizer step (guard(optimizer, defer_walk=False) keeps it in save())",
+                     who, tensors, walked_ms, which)
+
     def order_updates(self) -> None:
         """Make the current streams wait until every overlapped save has read the state (a guarded
         optimizer calls this before each step; a loop that updates the state otherwise calls it
@@ -209,14 +227,9 @@ class SavePipeline:
         t1 = time.perf_counter()
         made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
         walked_ms = 1e3 * (walked_s + time.perf_counter() - t1)  # (a guarded save's call learns by the same rule)
-        if self._guards and not self._walk_in_call and (
-                not self._walk_auto or not rank_only and walked_ms >= DEFER_AFTER_MS):
+        if self._guards and not (rank_only and self._walk_auto) and self._walk_defers(walked_ms):
             self._learn(made)
-            if self._walk_auto and self._learned is not None and not self._logged_defer:
-                self._logged_defer = True
-                log.info("tiered: reserve() walked and planned the state (%d tensors) in %.1f ms: from the first save "
-                         "on, the stager thread does, before the optimizer step (guard(optimizer, defer_walk=False) "
-                         "keeps it in save())", len(made.tensors), walked_ms)
+            self._say_defers("reserve()", "the first", len(made.tensors), walked_ms)
         for index, plans in made.gpu.items():
             self.workers.device(index).prepare(plans, tensors)
         copied, rest = self._cpu_copies.split(made.cpu)
@@ -301,13 +314,10 @@ class SavePipeline:
         walked_ms = 1e3 * (t1 - t0 + t3 - t2)  # (the walk and the plan, not the tier's step made between them)
         # (for deferred saves only; a distributed one's with `defer_walk=True` on every guard alone)
         learn = (not rank_only or deferrable and not self._walk_auto) and tier is self.tier and \
-            not self._walk_in_call and (not self._walk_auto or walked_ms >= DEFER_AFTER_MS)
+            self._walk_defers(walked_ms)
         overlapped = self._overlapped(plan, learn) if self._guards else None
-        if learn and self._walk_auto and self._learned is not None and not self._logged_defer:
-            self._logged_defer = True
-            log.info("tiered: save() walked and planned the state (%d tensors) in %.1f ms: from the next save on, the "
-                     "stager thread does, before the optimizer step (guard(optimizer, defer_walk=False) keeps it in "
-                     "save())", len(plan.tensors), walked_ms)
+        if learn:
+            self._say_defers("save()", "the next", len(plan.tensors), walked_ms)
         job = Job(step, skeleton, overlapped or plan, handle, device_io=bool(plan.gpu), tier=tier,
                    rank_only=rank_only)
         handle.on_wait = job.hurry.set
@@ -503,10 +513,9 @@ class SavePipeline:
     def settle(self) -> None:
         """Wait until every in-flight save is persisted or has failed; raise nothing."""
         while True:
+            self._hurry_all()
             with self._lock:
                 pending = list(self._inflight.values())
-                for job in self._unordered:
-                    job.hurry.set()
             if not pending:
                 return
             for h in pending:
@@ -515,9 +524,7 @@ class SavePipeline:
     def close(self) -> None:
         """Stop the writer once its queue is done, and join the pipeline's other threads."""
         self.closed = True
-        with self._lock:
-            for job in self._unordered:
-                job.hurry.set()
+        self._hurry_all()
         if self._stager is not None:
             self._stage_queue.put(None)
             self._stager.join()
