@@ -67,6 +67,19 @@ def test_auto_follows_the_quickest_guarded_optimizer_and_a_fixed_wait_longer_tha
     assert timings["stage_after_ms"] >= 290, "a fixed 300 ms beside auto's ~100: the longest"
 
 
+def test_auto_says_its_choice_once_before_a_read_is_timed_and_once_after(caplog):
+    stage, opt = StageAfter(), object()
+    stage.set(opt, None)
+    _steps(stage, opt, 2, 0.2)
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        for read in (0.01, 0.01, 0.01):
+            _read(stage, read)
+    said = [r.getMessage() for r in caplog.records if "stage_after_ms='auto'" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "a quarter of the" in said[0] and "until a save's read has been timed" in said[0], said
+    assert "less 1.5 x the" in said[1] and "walk, plan and read took" in said[1], said
+
+
 @pytest.mark.parametrize("bad", ["AUTO", "soon", b"auto", -0.5])
 def test_stage_after_ms_names_auto_in_its_error(bad):
     with pytest.raises(ValueError, match="must be 'auto' or a non-negative number of milliseconds"):
@@ -108,7 +121,9 @@ def test_the_default_guard_waits_as_the_loop_leaves_room_and_says_so_once(tier_c
         handle.wait()
         assert "stage_after_ms" not in handle.timings, "0: at once"
     said = [r.getMessage() for r in caplog.records if "stage_after_ms='auto'" in r.getMessage()]
-    assert len(said) == 1 and "the optimizer steps every" in said[0], said
+    # (the first save read at once and was timed, so auto's first choice already counts its read)
+    assert len(said) == 1 and "the optimizer steps every" in said[0] and \
+        "the last save's walk, plan and read took" in said[0], said
     assert not any(r.levelno >= logging.WARNING for r in caplog.records), "auto's wait cut short is no warning"
     with tiered.Engine.from_config(tier_config("zstd")) as engine:
         for step, model_state in want.items():

@@ -70,7 +70,8 @@ class StageAfter:
         self._last: tuple[dict[str, float], float] | None = None
         """The last waited-for save's timings, and when its stager began (ms after its call)."""
         self._logged_cut = False
-        self._logged_auto = False
+        self._logged_auto: set[str] = set()
+        """Which of auto's two choices (before a read was timed, after) the log has said."""
 
     def set(self, optimizer: Any, seconds: float | None) -> None:
         """A guard of `optimizer` asks for `seconds` (0: nothing; None: auto); the log says when
@@ -111,11 +112,18 @@ class StageAfter:
         if None not in self._by.values():
             return fixed
         chosen, period, read = self.auto_seconds()
-        if chosen > fixed and not self._logged_auto:
-            self._logged_auto = True
-            log.info("tiered: stage_after_ms='auto': overlapped saves are read %.0f ms after save() (the optimizer "
-                     "steps every %.0f ms; the last save's read took %s; at most %.0f ms)", 1e3 * chosen,
-                     1e3 * period, "-" if read is None else f"{1e3 * read:.0f} ms", AUTO_MAX_MS)
+        said = "read" if read is not None else "interval"
+        if chosen > fixed and said not in self._logged_auto:
+            self._logged_auto.add(said)
+            if read is None:
+                log.info("tiered: stage_after_ms='auto': overlapped saves are read %.0f ms after save() (a quarter "
+                         "of the %.0f ms between the guarded optimizer's steps, until a save's read has been timed; "
+                         "at most %.0f ms)", 1e3 * chosen, 1e3 * period, AUTO_MAX_MS)
+            else:
+                log.info("tiered: stage_after_ms='auto': overlapped saves are read %.0f ms after save() (the "
+                         "optimizer steps every %.0f ms, less %.1f x the %.0f ms the last save's walk, plan and "
+                         "read took; at most %.0f ms)", 1e3 * chosen, 1e3 * period, READ_MARGIN, 1e3 * read,
+                         AUTO_MAX_MS)
         return max(fixed, chosen)
 
     def wait(self, started: float, hurry: threading.Event, step: int, timings: dict[str, float]) -> None:
