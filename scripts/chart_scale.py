@@ -6,7 +6,8 @@ and the cold restore grow with the state, one line per method, one point per sta
     python scripts/chart_scale.py OUT.png RUN.json [RUN.json ...]
 
 Every size of every file given is a point; where two files hold the same method at the same
-size, the later file wins. Warm medians; a failed row is left out.
+size, the later file wins. Warm medians; a failed row is left out of the panels and named in its
+file's caption.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from pathlib import Path
 
 COLORS = {"tiered": "#76b900", "tiered_overlap": "#2f6b00", "dcp_pinned": "#1f77b4", "dcp_stager": "#9467bd",
           "torch_save": "#999999"}
+OTHER_COLORS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+"""For rows COLORS does not name (variants such as tiered_overlap_deferred), in the order met."""
+
+
+def colors(names: list[str]) -> dict[str, str]:
+    """A colour per row name, no two alike (up to COLORS and OTHER_COLORS' length)."""
+    others = iter(c for c in OTHER_COLORS)
+    return {n: COLORS[n] if n in COLORS else next(others, None) for n in names}
 
 
 def points(files: list[Path]) -> tuple[dict[str, dict[float, dict]], list[str]]:
@@ -26,10 +35,12 @@ def points(files: list[Path]) -> tuple[dict[str, dict[float, dict]], list[str]]:
     for path in files:
         results = json.loads(path.read_text())
         info = results.get("info", {})
-        sizes = []
+        sizes, failed = [], []
         for out in results.get("scale", []):
             sizes.append(out["state_gb"])
             for r in out.get("rows", []):
+                if r.get("error"):
+                    failed.append(f"{r['name']} failed at {out['state_gb']:g} GB ({str(r['error'])[:60]})")
                 if r.get("error") or not r.get("warm_stall_ms"):
                     continue
                 series.setdefault(r["name"], {})[out["state_gb"]] = {
@@ -37,7 +48,8 @@ def points(files: list[Path]) -> tuple[dict[str, dict[float, dict]], list[str]]:
                     "restore_s": r.get("restore_s")}
         ranks = info.get("ranks", 1)
         captions.append(f"{path.stem}: {info.get('device', '?')}, {info.get('date', '?')}, "
-                        f"{', '.join(f'{s:g}' for s in sizes)} GB{f' x {ranks} ranks' if ranks > 1 else ''}")
+                        f"{', '.join(f'{s:g}' for s in sizes)} GB{f' x {ranks} ranks' if ranks > 1 else ''}"
+                        + "".join(f"; {f}" for f in failed))
     return series, captions
 
 
@@ -57,6 +69,7 @@ def main() -> int:
     panels = [("stall_ms", "training stall per save, ms (warm median)", True),
               ("durable_s", "time to durable, s (warm median)", False),
               ("restore_s", "cold restore, s", False)]
+    color = colors(sorted(series))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4 + 0.25 * len(captions)))
     for ax, (key, title, log) in zip(axes, panels):
         for name, by_size in sorted(series.items()):
@@ -64,7 +77,7 @@ def main() -> int:
             if not xs:
                 continue
             ys = [by_size[s][key] for s in xs]
-            ax.plot(xs, ys, marker="o", label=name.replace("_", " "), color=COLORS.get(name))
+            ax.plot(xs, ys, marker="o", label=name.replace("_", " "), color=color[name])
         ax.set_xlabel("state per GPU, GB")
         ax.set_title(title, fontsize=10)
         if log:

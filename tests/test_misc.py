@@ -772,6 +772,26 @@ def test_the_bench_counts_full_collections_by_thread():
     assert full.ms >= full.engine_ms > 0 and full.engine_ms == round(full.runs[1][1], 1)
 
 
+def test_the_scale_chart_names_a_failed_row_and_colours_every_row_apart(tmp_path):
+    """scripts/chart_scale.py: a failed row is no point but is named in its file's caption; rows it
+    has no colour for (variants) get colours of their own, none shared with another row."""
+    import json
+
+    chart = _script("chart_scale")
+    row = {"warm_stall_ms": {"median": 20.0}, "warm_durable_s": {"median": 1.0}, "restore_s": 1.1, "error": None}
+    run = {"info": {"device": "GPU", "date": "2026-11-29"},
+           "scale": [{"state_gb": 2.43, "rows": [dict(row, name="tiered_overlap"),
+                                                 dict(row, name="tiered_overlap_deferred"),
+                                                 dict(row, name="tiered_overlap+0"), dict(row, name="dcp_pinned"),
+                                                 {"name": "dcp_stager", "error": "KeyError: <class 'type'>"}]}]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    series, captions = chart.points([tmp_path / "run.json"])
+    assert sorted(series) == ["dcp_pinned", "tiered_overlap", "tiered_overlap+0", "tiered_overlap_deferred"]
+    assert "dcp_stager failed at 2.43 GB (KeyError" in captions[0], captions
+    colours = chart.colors(sorted(series))
+    assert len(set(colours.values())) == len(colours) and None not in colours.values(), colours
+
+
 def test_the_scale_bench_judges_every_tiered_row_the_overlapped_one_run_alone_too():
     """`bench.py --scale --methods tiered_overlap` runs no strict row: the durable and restore
     targets come from the overlapped one (they used to be left out). Every tiered row is judged
