@@ -32,6 +32,11 @@ free. Side by side, one method after another on the same state and disk:
                staging overlaps the next forward and backward and is waited for before the
                optimizer step (a failure, e.g. on torch versions where it crashes, is reported)
   torch_save   torch.save + fsync (synchronous)
+  migration    training while a guarded save's step migrates to a shared tier (zstd, a directory
+               on the same disk) below the default config's local one, against the migrator idle;
+               the stall of a save with the migrator idle and of one made while a step migrates;
+               each step's seconds to the shared tier (scripts/scale_migration.py). `migration`
+               runs the default mode (process); `migration:in_process` the thread. No restore.
 
 Under torchrun (`torchrun --nproc-per-node 2 scripts/bench.py --scale 24 ...`) every rank builds
 its own state of that size on its own GPU, all ranks write to one disk, each training step ends
@@ -255,6 +260,18 @@ def print_size(out: dict) -> None:
             print(f"{r['name']}: the windows without a save (one just before each save, which its stall is "
                   f"measured against) took {b['median']} ms, {b['min']}–{b['max']} over the run "
                   f"(a spread of {b['max'] - b['min']:.1f} ms)")
+    for r in out["rows"]:
+        m = r.get("migration")
+        if m and not r["error"]:
+            busy, idle = m["window_ms"]["migrating"], m["window_ms"]["idle"]
+            print(f"{r['name']} ({m['mode']}): windows of {m['window_steps']} steps while a step migrates "
+                  f"{busy and busy['median']} ms (quartiles {busy and busy['q1']}–{busy and busy['q3']}, "
+                  f"n={busy and busy['n']}), idle {idle and idle['median']} ms (quartiles {idle and idle['q1']}–"
+                  f"{idle and idle['q3']}, n={idle and idle['n']}): slowdown {m['slowdown_pct']}%; save stall "
+                  f"idle {m['stall_ms']['idle']} ms, while a step migrates {m['stall_ms']['migrating']} ms "
+                  f"({m['stall_ms']['migrating_vs_idle']} against the idle windows); durable to shared "
+                  f"{', '.join(str(s) for s in m['to_shared_s'])} s ({m['to_shared_gbps']} GB/s of state, "
+                  f"stored as {', '.join(m['shared_codecs'])})")
     if out["targets"]:
         print("\n| target (tiered, default config) | met | measured |\n|---|---|---|")
         for k, v in out["targets"].items():

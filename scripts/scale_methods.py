@@ -1,7 +1,8 @@
 """The scale bench's methods, one row each (scripts/scale.py lists them): tiered strict and
 guarded, DCP with a pinned cache and with async staging, torch.save; and two rows that save
 nothing, to price one part of a save's work alone beside the loop: `gil_load` (Python on another
-thread) and `d2h_load` (copies to pinned host memory by the copy engines)."""
+thread) and `d2h_load` (copies to pinned host memory by the copy engines); and `migration`
+(training while a step migrates to a shared tier, scripts/scale_migration.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tiered.units import parse_size
 from baselines import dir_bytes
 from scale_measure import (Row, Run, barrier, dist_group, done_at, gpu_free, measure, rank, restore_check, rss, say,
                            tensors_of)
+from scale_migration import migration_spec, run_migration
 
 def tiered_engine(run: Run) -> Any:
     """The size's tiered engine, made (and its host memory pinned, its saves laid out) the first
@@ -362,12 +364,16 @@ METHODS = {
     "torch_save": (run_torch_save, "torch.save + fsync: synchronous"),
     "gil_load": (run_gil_load, "no save: Python on another thread at each save's point, TOTAL ms of its CPU in "
                                "BURST-ms pieces over SPAN ms (gil_load:TOTAL[xBURST[xSPAN]]; default 100x0.5x500)"),
+    "migration": (run_migration, "training while a step migrates to a shared tier (zstd) below the default "
+                                 "config's local one, against the migrator idle (migration:MODE; default "
+                                 "process); guarded saves; no restore"),
     "d2h_load": (run_d2h_load, "no save: GB of the state's GPU tensors copied to pinned host memory at each save's "
                                "point by the copy engines, at once or over SPAN ms (d2h_load:GB[xSPAN]; default 20x0)"),
 }
 
-LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec}
-"""The rows that save nothing, and the reader of each one's load (the ":" part of its name)."""
+LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec, "migration": migration_spec}
+"""The rows whose name's ":" part is not a codec, and its reader: the rows that save nothing (their
+load) and the migration row (its mode). None of them restores."""
 
 
 def row_spec(name: str) -> tuple[str, str, float | None, int | None, float | str]:

@@ -1,0 +1,192 @@
+"""The scale bench's `migration` row (issue 15, item 4, at issue 14's scale): training beside the
+engine's migrator while a step of the scale state moves down to a shared tier, against the same
+training with the migrator idle.
+
+The engine is the default config with a second tier below the local one: a POSIX directory on
+the same disk, `codec: zstd` (the portable tier: ANS is decoded on the GPU, zstd encoded on the
+CPU), `migration: process` (the default) or the mode the row names (`migration:in_process`).
+Every optimizer is guarded, as in `tiered_overlap`. One pass, three saves:
+
+1. save 1 (the first save; the migrator idle); the windows until it is durable are not counted
+   (its own drain runs there); then every window until it is on the shared tier: **migrating**;
+2. as many windows with nothing to migrate: **idle** (at least 3, at most `IDLE_MAX`);
+3. save 2 with the migrator idle: its stall against the idle windows' median;
+4. once step 2 is durable and `BUSY_BEFORE_SAVE` windows of its migration have run, save 3: its
+   stall against the median of the migrating windows so far (the save's own cost while a step
+   migrates) and against the idle median (all training lost in that window);
+5. windows until steps 2 and 3 are on the shared tier (migrating again, but for those before
+   step 3 is durable).
+
+A window that a step's migration starts or ends inside is counted in neither list. The row
+reports the window medians, quartiles and counts of both kinds (`migration` in its JSON), the
+slowdown, the stalls, and each step's seconds from durable to the shared tier (GB/s of the
+state). Steps are deleted from both tiers once migrated, so the disk holds at most two copies
+of the state plus one on the shared tier. Nothing is restored: the migration's own checks
+(every chunk verified as it is read) are what this row relies on; the tests restore migrated steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from typing import Any
+
+import tiered
+from scale_measure import Row, Run, done_at, rss, say, tensors_of, world
+
+IDLE_MAX = 12
+"""The most idle windows measured (the migrating ones set the count, up to this)."""
+BUSY_BEFORE_SAVE = 2
+"""Windows of step 2's migration run before save 3 (a save while a step migrates)."""
+MODES = ("process", "in_process")
+
+
+def migration_spec(mode: str) -> str:
+    """The row's migration mode from its name's ":" part (empty: the default); ValueError naming it."""
+    if mode and mode not in MODES:
+        raise ValueError(f"migration:{mode}: expected one of {', '.join(MODES)} (or none: the default, process)")
+    return mode or "process"
+
+
+def _quartiles(ms: list[float]) -> dict | None:
+    if not ms:
+        return None
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else ms * 3
+    return {"median": round(statistics.median(ms), 1), "q1": round(q[0], 1), "q3": round(q[2], 1), "n": len(ms),
+            "min": round(min(ms), 1), "max": round(max(ms), 1)}
+
+
+def run_migration(row: Row, run: Run, base: float) -> None:
+    if world() > 1:
+        raise RuntimeError("the migration row runs on one rank (one migrator per node)")
+    mode = migration_spec(run.load)
+    local, shared = run.root / "migration-local", run.root / "migration-shared"
+    codec = {} if run.codec == "auto" else {"codec": run.codec}
+    cfg = {"migration": mode, "tiers": [{"name": "local", "kind": "local", "path": str(local), **codec},
+                                        {"name": "shared", "kind": "posix", "path": str(shared), "codec": "zstd"}]}
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(run.state))
+    rss0, t0 = rss(), time.perf_counter()
+    engine = tiered.Engine.from_config(cfg)
+    try:
+        guards = [engine.guard(opt) for opt in run.optimizers]
+        engine.reserve(run.state)
+        engine.wait_pinned()
+        say(f"#   {row.name}: engine with a shared tier (zstd), migration: {mode}, pinned in "
+            f"{time.perf_counter() - t0:.1f} s")
+        out = _measure(engine, run, state_bytes, mode)
+        row.host_taken = rss() - rss0
+        for g in guards:
+            g.remove()
+    finally:
+        engine.close()
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
+    # The row's saves, for the table: the first, then the save with the migrator idle (its "warm"
+    # figure); the save made while a step migrates is in `migration` and its own line.
+    for s in out.pop("saves"):
+        row.saves.append(s)
+    row.stored = out["stored_bytes_shared"]
+    row.extra["migration"] = out
+    busy, idle = out["window_ms"]["migrating"], out["window_ms"]["idle"]
+    say(f"#   {row.name}: windows of {run.window.steps} steps while a step migrates "
+        f"{busy and busy['median']} ms (n={busy and busy['n']}), idle {idle and idle['median']} ms "
+        f"(n={idle and idle['n']}): {out['slowdown_pct']}%; save stall idle {out['stall_ms']['idle']} ms, "
+        f"while a step migrates {out['stall_ms']['migrating']} ms (against the idle windows: "
+        f"{out['stall_ms']['migrating_vs_idle']} ms); durable to the shared tier "
+        + ", ".join(f"{s} s" for s in out["to_shared_s"]) + f" ({out['to_shared_gbps']} GB/s of state)")
+
+
+def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
+    window = run.window
+    windows: dict[str, list[float]] = {"migrating": [], "idle": []}
+    durable_at: dict[int, float] = {}
+    shared_at: dict[int, float] = {}
+    handles: dict[int, Any] = {}
+    saves: list[dict] = []
+
+    def on_shared(step: int) -> bool:
+        if step not in shared_at and step in engine.steps("shared"):
+            shared_at[step] = time.perf_counter()
+        return step in shared_at
+
+    def durable(step: int) -> bool:
+        h, box = handles[step]
+        if step not in durable_at and h.done() and box:
+            h.wait()  # (raises the save's failure)
+            durable_at[step] = box[0]  # (when it completed, not when it was looked at)
+        return step in durable_at
+
+    def migrating(steps: list[int]) -> bool:
+        """Some step of `steps` is durable and not yet on the shared tier, and none still drains."""
+        return all(durable(s) for s in steps) and not all(on_shared(s) for s in steps)
+
+    def timed_window(steps: list[int], kind: str | None) -> None:
+        """One window; counted as `kind` if the state of `steps` was the same before and after it."""
+        before = migrating(steps) if kind == "migrating" else True
+        secs = window.run()[0]
+        if kind == "migrating" and before and migrating(steps):
+            windows["migrating"].append(1e3 * secs)
+        elif kind == "idle":
+            windows["idle"].append(1e3 * secs)
+
+    def save(step: int, against: float) -> dict:
+        t_call = time.perf_counter()
+        def call_save() -> Any:
+            h = engine.save(step, run.state)
+            handles[step] = h, done_at(h.persisted)  # (at once: the time it completes, even within the window)
+            return h
+
+        secs, call, _ = window.run(call_save)
+        rec = {"stall_ms": round(1e3 * secs - against, 1), "call_ms": round(1e3 * call, 1), "base_ms": round(against, 1)}
+        while not durable(step):
+            window.run()  # (its own drain: not counted)
+        rec["durable_s"] = round(durable_at[step] - t_call, 2)
+        return rec
+
+    def drop(step: int) -> None:
+        engine.get_tier("shared").delete(step)
+        if step in engine.steps("local"):
+            engine.get_tier("local").delete(step)
+
+    base_ms = 1e3 * window.baseline()
+    saves.append(save(1, base_ms))
+    while not on_shared(1):
+        timed_window([1], "migrating")
+    drop(1)
+    for _ in range(min(IDLE_MAX, max(3, len(windows["migrating"])))):
+        timed_window([], "idle")
+    idle_ms = statistics.median(windows["idle"])
+    saves.append(save(2, idle_ms))
+    for _ in range(BUSY_BEFORE_SAVE):
+        if on_shared(2):
+            break
+        timed_window([2], "migrating")
+    busy_now = statistics.median(windows["migrating"]) if windows["migrating"] else idle_ms
+    while_migrating = save(3, busy_now)
+    migrating_now = not on_shared(2)  # (step 2 still moving when save 3's window ended)
+    while not (on_shared(2) and on_shared(3)):
+        timed_window([2, 3], "migrating")
+    stored_shared = engine.read_index(3, tier="shared")[0].stored_bytes
+    codecs = sorted({t.codec.name for t in engine.read_index(3, tier="shared")[1].tensors if t.chunks})
+    drop(2)
+    drop(3)
+    busy = _quartiles(windows["migrating"])
+    idle = _quartiles(windows["idle"])
+    to_shared = [round(shared_at[s] - durable_at[s], 2) for s in (1, 2)]  # (3 queued behind 2)
+    return {
+        "mode": mode, "window_steps": window.steps,
+        "window_ms": {"migrating": busy, "idle": idle},
+        "windows_ms": {k: [round(v, 1) for v in vs] for k, vs in windows.items()},
+        "slowdown_pct": round(100 * (busy["median"] / idle["median"] - 1), 1) if busy and idle else None,
+        "stall_ms": {"first": saves[0]["stall_ms"], "idle": saves[1]["stall_ms"],
+                     "migrating": while_migrating["stall_ms"],
+                     "migrating_vs_idle": round(while_migrating["stall_ms"] + busy_now - idle_ms, 1),
+                     "migrating_save_during_migration": migrating_now},
+        "save_while_migrating": while_migrating,
+        # (seconds from durable until the step was seen on the shared tier, looked for between
+        # windows: up to a window late)
+        "to_shared_s": to_shared, "to_shared_gbps": round(state_bytes / 1e9 / statistics.median(to_shared), 3)
+        if statistics.median(to_shared) > 0 else None,
+        "stored_bytes_shared": stored_shared, "shared_codecs": codecs, "saves": saves,
+    }

@@ -1,0 +1,46 @@
+"""The scale bench's `migration` row (scripts/scale_migration.py; issue 15, item 4 at scale):
+training windows while a step migrates to a shared tier against windows with the migrator idle,
+a save's stall in each, and each step's time to the shared tier, run end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.mark.parametrize("row", ["migration", "migration:in_process"])
+def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(tmp_path, row):
+    root, out = tmp_path / "bench", tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
+                          "one", "--saves", "3", "--window-steps", "1", "--methods", row, "--dir", str(root),
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [got] = json.loads(out.read_text())["scale"][0]["rows"]
+    assert got["name"] == row and got["error"] is None, got["error"]
+    m = got["migration"]
+    assert m["mode"] == ("in_process" if row.endswith("in_process") else "process")
+    assert m["window_ms"]["idle"]["n"] >= 3 and len(m["windows_ms"]["idle"]) == m["window_ms"]["idle"]["n"]
+    assert [s["stall_ms"] is not None for s in got["saves"]] == [True, True], "the first save, then one idle"
+    assert set(m["stall_ms"]) >= {"first", "idle", "migrating", "migrating_vs_idle"}
+    assert all(s >= 0 for s in m["to_shared_s"]) and len(m["to_shared_s"]) == 2
+    assert m["shared_codecs"] == ["zstd"] and m["stored_bytes_shared"] > 0
+    assert got["restore_s"] is None, "no restore: the row is not one of the bit-exact checks"
+    assert f"{row} (" in run.stdout and "while a step migrates" in run.stdout, run.stdout[-2000:]
+    assert not root.exists(), "both tiers deleted with the bench's root"
+
+
+def test_the_migration_row_names_a_mode_it_does_not_know():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from scale_methods import row_spec
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert row_spec("migration")[0] == "migration"
+    with pytest.raises(ValueError, match="migration:external: expected one of process, in_process"):
+        row_spec("migration:external")
