@@ -130,7 +130,9 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
         elif kind == "idle":
             windows["idle"].append(1e3 * secs)
 
-    def save(step: int, against: float) -> dict:
+    def save(step: int, against: float, moving: int | None = None) -> dict:
+        """A save in a window: its stall against `against` (ms), its call, its time to durable;
+        with `moving`, whether that step was still migrating when the save's window ended."""
         t_call = time.perf_counter()
         def call_save() -> Any:
             h = engine.save(step, run.state)
@@ -139,6 +141,8 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
 
         secs, call, _ = window.run(call_save)
         rec = {"stall_ms": round(1e3 * secs - against, 1), "call_ms": round(1e3 * call, 1), "base_ms": round(against, 1)}
+        if moving is not None:
+            rec["migrating_through_window"] = not on_shared(moving)
         while not durable(step):
             window.run()  # (its own drain: not counted)
         rec["durable_s"] = round(durable_at[step] - t_call, 2)
@@ -163,8 +167,7 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
             break
         timed_window([2], "migrating")
     busy_now = statistics.median(windows["migrating"]) if windows["migrating"] else idle_ms
-    while_migrating = save(3, busy_now)
-    migrating_now = not on_shared(2)  # (step 2 still moving when save 3's window ended)
+    while_migrating = save(3, busy_now, moving=2)
     while not (on_shared(2) and on_shared(3)):
         timed_window([2, 3], "migrating")
     stored_shared = engine.read_index(3, tier="shared")[0].stored_bytes
@@ -182,7 +185,7 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
         "stall_ms": {"first": saves[0]["stall_ms"], "idle": saves[1]["stall_ms"],
                      "migrating": while_migrating["stall_ms"],
                      "migrating_vs_idle": round(while_migrating["stall_ms"] + busy_now - idle_ms, 1),
-                     "migrating_save_during_migration": migrating_now},
+                     "migrating_through_window": while_migrating["migrating_through_window"]},
         "save_while_migrating": while_migrating,
         # (seconds from durable until the step was seen on the shared tier, looked for between
         # windows: up to a window late)

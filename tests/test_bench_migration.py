@@ -27,7 +27,7 @@ def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(t
     assert m["mode"] == ("in_process" if row.endswith("in_process") else "process")
     assert m["window_ms"]["idle"]["n"] >= 3 and len(m["windows_ms"]["idle"]) == m["window_ms"]["idle"]["n"]
     assert [s["stall_ms"] is not None for s in got["saves"]] == [True, True], "the first save, then one idle"
-    assert set(m["stall_ms"]) >= {"first", "idle", "migrating", "migrating_vs_idle"}
+    assert set(m["stall_ms"]) >= {"first", "idle", "migrating", "migrating_vs_idle", "migrating_through_window"}
     assert all(s >= 0 for s in m["to_shared_s"]) and len(m["to_shared_s"]) == 2
     assert m["shared_codecs"] == ["zstd"] and m["stored_bytes_shared"] > 0
     assert got["restore_s"] is None, "no restore: the row is not one of the bit-exact checks"
