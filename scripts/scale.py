@@ -271,7 +271,8 @@ def print_size(out: dict) -> None:
                   f"idle {m['stall_ms']['idle']} ms, while a step migrates {m['stall_ms']['migrating']} ms "
                   f"({m['stall_ms']['migrating_vs_idle']} against the idle windows); durable to shared "
                   f"{', '.join(str(s) for s in m['to_shared_s'])} s ({m['to_shared_gbps']} GB/s of state, "
-                  f"stored as {', '.join(m['shared_codecs'])})")
+                  f"stored as {', '.join(m['shared_codecs'])}); the migrator's own time per step "
+                  f"{m.get('migrate_s')} s (at best {m.get('migrate_gbps')} GB/s of state)")
     if out["targets"]:
         print("\n| target (tiered, default config) | met | measured |\n|---|---|---|")
         for k, v in out["targets"].items():

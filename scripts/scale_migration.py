@@ -19,8 +19,8 @@ Every optimizer is guarded, as in `tiered_overlap`. One pass, three saves:
 
 A window that a step's migration starts or ends inside is counted in neither list. The row
 reports the window medians, quartiles and counts of both kinds (`migration` in its JSON), the
-slowdown, the stalls, and each step's seconds from durable to the shared tier (GB/s of the
-state). Steps are deleted from both tiers once migrated, so the disk holds at most two copies
+slowdown, the stalls, each step's seconds from durable to the shared tier as the bench saw it
+(looked for between windows), and each step's migration as the migrator timed it (its records). Steps are deleted from both tiers once migrated, so the disk holds at most two copies
 of the state plus one on the shared tier. Nothing is restored: the migration's own checks
 (every chunk verified as it is read) are what this row relies on; the tests restore migrated steps.
 """
@@ -134,6 +134,7 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
         """A save in a window: its stall against `against` (ms), its call, its time to durable;
         with `moving`, whether that step was still migrating when the save's window ended."""
         t_call = time.perf_counter()
+
         def call_save() -> Any:
             h = engine.save(step, run.state)
             handles[step] = h, done_at(h.persisted)  # (at once: the time it completes, even within the window)
@@ -170,6 +171,9 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
     while_migrating = save(3, busy_now, moving=2)
     while not (on_shared(2) and on_shared(3)):
         timed_window([2, 3], "migrating")
+    # Each step's migration as the migrator timed it (its records: tiered.records), from its start
+    hops = {r["step"]: r for r in engine.stats() if r.get("kind") == "migrate" and r.get("dst") == "shared"}
+    migrate_s = {s: round(hops[s]["seconds"], 2) for s in (1, 2, 3) if s in hops}
     stored_shared = engine.read_index(3, tier="shared")[0].stored_bytes
     codecs = sorted({t.codec.name for t in engine.read_index(3, tier="shared")[1].tensors if t.chunks})
     drop(2)
@@ -188,8 +192,10 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
                      "migrating_through_window": while_migrating["migrating_through_window"]},
         "save_while_migrating": while_migrating,
         # (seconds from durable until the step was seen on the shared tier, looked for between
-        # windows: up to a window late)
-        "to_shared_s": to_shared, "to_shared_gbps": round(state_bytes / 1e9 / statistics.median(to_shared), 3)
+        # windows: up to a window late; step 2's with step 3's save beside it)
+        "to_shared_s": to_shared,
+        "migrate_s": migrate_s,  # (the migrator's own time for each step, from the start of its copy)
+        "migrate_gbps": round(state_bytes / 1e9 / min(migrate_s.values()), 3) if migrate_s else None, "to_shared_gbps": round(state_bytes / 1e9 / statistics.median(to_shared), 3)
         if statistics.median(to_shared) > 0 else None,
         "stored_bytes_shared": stored_shared, "shared_codecs": codecs, "saves": saves,
     }

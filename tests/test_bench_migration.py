@@ -29,6 +29,8 @@ def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(t
     assert [s["stall_ms"] is not None for s in got["saves"]] == [True, True], "the first save, then one idle"
     assert set(m["stall_ms"]) >= {"first", "idle", "migrating", "migrating_vs_idle", "migrating_through_window"}
     assert all(s >= 0 for s in m["to_shared_s"]) and len(m["to_shared_s"]) == 2
+    assert sorted(m["migrate_s"]) == ["1", "2", "3"] and all(v > 0 for v in m["migrate_s"].values()), m["migrate_s"]
+    assert m["migrate_gbps"] > 0
     assert m["shared_codecs"] == ["zstd"] and m["stored_bytes_shared"] > 0
     assert got["restore_s"] is None, "no restore: the row is not one of the bit-exact checks"
     assert f"{row} (" in run.stdout and "while a step migrates" in run.stdout, run.stdout[-2000:]
