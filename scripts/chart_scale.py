@@ -24,7 +24,7 @@ OTHER_COLORS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"
 
 def colors(names: list[str]) -> dict[str, str]:
     """A colour per row name, no two alike (up to COLORS and OTHER_COLORS' length)."""
-    others = iter(c for c in OTHER_COLORS)
+    others = iter(OTHER_COLORS)
     return {n: COLORS[n] if n in COLORS else next(others, None) for n in names}
 
 

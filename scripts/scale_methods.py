@@ -364,11 +364,11 @@ METHODS = {
     "torch_save": (run_torch_save, "torch.save + fsync: synchronous"),
     "gil_load": (run_gil_load, "no save: Python on another thread at each save's point, TOTAL ms of its CPU in "
                                "BURST-ms pieces over SPAN ms (gil_load:TOTAL[xBURST[xSPAN]]; default 100x0.5x500)"),
+    "d2h_load": (run_d2h_load, "no save: GB of the state's GPU tensors copied to pinned host memory at each save's "
+                               "point by the copy engines, at once or over SPAN ms (d2h_load:GB[xSPAN]; default 20x0)"),
     "migration": (run_migration, "training while a step migrates to a shared tier (zstd) below the default "
                                  "config's local one, against the migrator idle (migration:MODE; default "
                                  "process); guarded saves; no restore"),
-    "d2h_load": (run_d2h_load, "no save: GB of the state's GPU tensors copied to pinned host memory at each save's "
-                               "point by the copy engines, at once or over SPAN ms (d2h_load:GB[xSPAN]; default 20x0)"),
 }
 
 LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec, "migration": migration_spec}
