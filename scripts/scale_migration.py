@@ -149,6 +149,13 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
         rec["durable_s"] = round(durable_at[step] - t_call, 2)
         return rec
 
+    def failed() -> None:
+        """Raise a migration failure the engine has seen (no save may be in flight: waits for those)."""
+        try:
+            engine.wait_migrated(timeout=0)
+        except TimeoutError:
+            pass  # (still migrating)
+
     def drop(step: int) -> None:
         engine.get_tier("shared").delete(step)
         if step in engine.steps("local"):
@@ -157,6 +164,7 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
     base_ms = 1e3 * window.baseline()
     saves.append(save(1, base_ms))
     while not on_shared(1):
+        failed()
         timed_window([1], "migrating")
     drop(1)
     for _ in range(min(IDLE_MAX, max(3, len(windows["migrating"])))):
@@ -170,6 +178,7 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
     busy_now = statistics.median(windows["migrating"]) if windows["migrating"] else idle_ms
     while_migrating = save(3, busy_now, moving=2)
     while not (on_shared(2) and on_shared(3)):
+        failed()
         timed_window([2, 3], "migrating")
     # Each step's migration as the migrator timed it (its records: tiered.records), from its start
     hops = {r["step"]: r for r in engine.stats() if r.get("kind") == "migrate" and r.get("dst") == "shared"}
