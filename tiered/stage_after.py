@@ -76,7 +76,7 @@ class StageAfter:
     def set(self, optimizer: Any, seconds: float | None) -> None:
         """A guard of `optimizer` asks for `seconds` (0: nothing; None: auto); the log says when
         the longest fixed wait grows."""
-        before = max((s for s in self._by.values() if s is not None), default=0.0)
+        before = self._fixed()
         self._by[id(optimizer)] = seconds
         if seconds is not None and seconds > before:
             log.info("tiered: overlapped saves are read from %.0f ms after save() on (sooner where the optimizer "
@@ -107,8 +107,12 @@ class StageAfter:
         room = period / 4 if read is None else period - READ_MARGIN * read
         return min(AUTO_MAX_MS / 1e3, max(0.0, room)), period, read
 
+    def _fixed(self) -> float:
+        """The longest fixed wait among the standing guards (0 where none asks for one)."""
+        return max((s for s in self._by.values() if s is not None), default=0.0)
+
     def _delay(self) -> float:
-        fixed = max((s for s in self._by.values() if s is not None), default=0.0)
+        fixed = self._fixed()
         if None not in self._by.values():
             return fixed
         chosen, period, read = self.auto_seconds()
