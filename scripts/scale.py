@@ -86,6 +86,7 @@ import torch
 from scale_measure import (Row, Run, Window, barrier, combine, disk_together, gather, gpu_free, rank, say, sync,
                            tensors_of, world)
 from scale_methods import LOAD_SPECS, METHODS, close_shared, row_spec, tiered_engine
+from scale_migration import describe as describe_migration
 from tiered.units import format_size
 
 GiB = 1 << 30
@@ -261,18 +262,8 @@ def print_size(out: dict) -> None:
                   f"measured against) took {b['median']} ms, {b['min']}–{b['max']} over the run "
                   f"(a spread of {b['max'] - b['min']:.1f} ms)")
     for r in out["rows"]:
-        m = r.get("migration")
-        if m and not r["error"]:
-            busy, idle = m["window_ms"]["migrating"], m["window_ms"]["idle"]
-            print(f"{r['name']} ({m['mode']}): windows of {m['window_steps']} steps while a step migrates "
-                  f"{busy and busy['median']} ms (quartiles {busy and busy['q1']}–{busy and busy['q3']}, "
-                  f"n={busy and busy['n']}), idle {idle and idle['median']} ms (quartiles {idle and idle['q1']}–"
-                  f"{idle and idle['q3']}, n={idle and idle['n']}): slowdown {m['slowdown_pct']}%; save stall "
-                  f"idle {m['stall_ms']['idle']} ms, while a step migrates {m['stall_ms']['migrating']} ms "
-                  f"({m['stall_ms']['migrating_vs_idle']} against the idle windows); durable to shared "
-                  f"{', '.join(str(s) for s in m['to_shared_s'])} s ({m['to_shared_gbps']} GB/s of state, "
-                  f"stored as {', '.join(m['shared_codecs'])}); the migrator's own time per step "
-                  f"{m.get('migrate_s')} s (at best {m.get('migrate_gbps')} GB/s of state)")
+        if r.get("migration") and not r["error"]:
+            print(describe_migration(r["name"], r["migration"]))
     if out["targets"]:
         print("\n| target (tiered, default config) | met | measured |\n|---|---|---|")
         for k, v in out["targets"].items():

@@ -88,13 +88,21 @@ def run_migration(row: Row, run: Run, base: float) -> None:
         row.saves.append(s)
     row.stored = out["stored_bytes_shared"]
     row.extra["migration"] = out
-    busy, idle = out["window_ms"]["migrating"], out["window_ms"]["idle"]
-    say(f"#   {row.name}: windows of {run.window.steps} steps while a step migrates "
-        f"{busy and busy['median']} ms (n={busy and busy['n']}), idle {idle and idle['median']} ms "
-        f"(n={idle and idle['n']}): {out['slowdown_pct']}%; save stall idle {out['stall_ms']['idle']} ms, "
-        f"while a step migrates {out['stall_ms']['migrating']} ms (against the idle windows: "
-        f"{out['stall_ms']['migrating_vs_idle']} ms); durable to the shared tier "
-        + ", ".join(f"{s} s" for s in out["to_shared_s"]) + f" ({out['to_shared_gbps']} GB/s of state)")
+    say(f"#   {describe(row.name, out)}")
+
+
+def describe(name: str, m: dict) -> str:
+    """One line of a migration row's figures (`m`: its "migration"), as the run and the tables say it."""
+    busy, idle = m["window_ms"]["migrating"], m["window_ms"]["idle"]
+    return (f"{name} ({m['mode']}): windows of {m['window_steps']} steps while a step migrates "
+            f"{busy and busy['median']} ms (quartiles {busy and busy['q1']}–{busy and busy['q3']}, "
+            f"n={busy and busy['n']}), idle {idle and idle['median']} ms (quartiles {idle and idle['q1']}–"
+            f"{idle and idle['q3']}, n={idle and idle['n']}): slowdown {m['slowdown_pct']}%; save stall "
+            f"idle {m['stall_ms']['idle']} ms, while a step migrates {m['stall_ms']['migrating']} ms "
+            f"({m['stall_ms']['migrating_vs_idle']} against the idle windows); durable to shared "
+            f"{', '.join(str(s) for s in m['to_shared_s'])} s ({m['to_shared_gbps']} GB/s of state, "
+            f"stored as {', '.join(m['shared_codecs'])}); the migrator's own time per step "
+            f"{m.get('migrate_s')} s (at best {m.get('migrate_gbps')} GB/s of state)")
 
 
 def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
@@ -183,8 +191,9 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
     # Each step's migration as the migrator timed it (its records: tiered.records), from its start
     hops = {r["step"]: r for r in engine.stats() if r.get("kind") == "migrate" and r.get("dst") == "shared"}
     migrate_s = {s: round(hops[s]["seconds"], 2) for s in (1, 2, 3) if s in hops}
-    stored_shared = engine.read_index(3, tier="shared")[0].stored_bytes
-    codecs = sorted({t.codec.name for t in engine.read_index(3, tier="shared")[1].tensors if t.chunks})
+    manifest, index = engine.read_index(3, tier="shared")
+    stored_shared = manifest.stored_bytes
+    codecs = sorted({t.codec.name for t in index.tensors if t.chunks})
     drop(2)
     drop(3)
     busy = _quartiles(windows["migrating"])
