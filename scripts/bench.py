@@ -315,6 +315,9 @@ def main() -> int:
                     help="standard mode: the fast tier's codec for the migration rows, one set of rows each "
                          "(default ans on a GPU, zstd on a CPU); none: the GPU never decodes for the migrator")
     ap.add_argument("--migration-modes", default="process,in_process,daemon", help="standard mode: migration modes")
+    ap.add_argument("--shared-dir", default=None, metavar="DIR",
+                    help="scale mode: the migration row's shared tier, a directory (wiped; default: under --dir, on "
+                         "the local tier's disk, which must then hold three stored copies of the state)")
     args = ap.parse_args()
     if args.scale:
         from scale_methods import row_spec
@@ -448,7 +451,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
                              drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch, trace=args.trace,
-                             codec=args.codec,
+                             codec=args.codec, shared_dir=Path(args.shared_dir) if args.shared_dir else None,
                              progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
         results["scale"].append(out)

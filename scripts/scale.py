@@ -33,10 +33,11 @@ free. Side by side, one method after another on the same state and disk:
                optimizer step (a failure, e.g. on torch versions where it crashes, is reported)
   torch_save   torch.save + fsync (synchronous)
   migration    training while a guarded save's step migrates to a shared tier (zstd, a directory
-               on the same disk) below the default config's local one, against the migrator idle;
-               the stall of a save with the migrator idle and of one made while a step migrates;
-               each step's seconds to the shared tier (scripts/scale_migration.py). `migration`
-               runs the default mode (process); `migration:in_process` the thread. No restore.
+               on the same disk, or --shared-dir) below the default config's local one, against
+               the migrator idle; the stall of a save with the migrator idle and of one made
+               while a step migrates; each step's seconds to the shared tier
+               (scripts/scale_migration.py). `migration` runs the default mode (process);
+               `migration:in_process` the thread. No restore.
 
 Under torchrun (`torchrun --nproc-per-node 2 scripts/bench.py --scale 24 ...`) every rank builds
 its own state of that size on its own GPU, all ranks write to one disk, each training step ends
@@ -95,7 +96,7 @@ GiB = 1 << 30
 def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: float, saves: int,
              window_steps: int, methods: list[str], drop_caches, ceilings: Callable[[int], dict],
              progress: Callable[[dict], None] = lambda out: None, gil_watch: bool = False,
-             trace: str | None = None, codec: str = "auto") -> dict:
+             trace: str | None = None, codec: str = "auto", shared_dir: Path | None = None) -> dict:
     """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
     state, step_fn, optimizers = live.build(int(size_gb * 1e9))
     replicas = len(state)
@@ -135,7 +136,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     if one_copy:
         say("#   the disk holds less than two copies of the state: each step is deleted before the next save")
     run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch,
-              trace=trace, codec=codec)
+              trace=trace, codec=codec, shared_root=shared_dir)
     rows = []
     try:
         for k, name in enumerate(methods):

@@ -507,6 +507,8 @@ class Run:
     """A row that saves nothing: its load, the ":" part of its name (`gil_load:100x0.5x500`)."""
     stage_after_ms: float | str = "auto"
     """An overlapped row's `guard(stage_after_ms=...)`: the default, or what its name sets (`ROW+MS`)."""
+    shared_root: Path | None = None
+    """The migration row's shared tier (`--shared-dir`); None: `root / "migration-shared"`."""
     shared: dict = field(default_factory=dict)
     """The tiered engine of this size, made once for both tiered rows (pinning its host memory
     takes seconds, as it does once per training job), and what making it took."""

@@ -20,16 +20,21 @@ Every optimizer is guarded, as in `tiered_overlap`. One pass, three saves:
 A window that a step's migration starts or ends inside is counted in neither list. The row
 reports the window medians, quartiles and counts of both kinds (`migration` in its JSON), the
 slowdown, the stalls, each step's seconds from durable to the shared tier as the bench saw it
-(looked for between windows), and each step's migration as the migrator timed it (its records). Steps are deleted from both tiers once migrated, so the disk holds at most two copies
-of the state plus one on the shared tier. Nothing is restored: the migration's own checks
+(looked for between windows), and each step's migration as the migrator timed it (its records).
+Steps are deleted from both tiers once migrated, so the local tier holds at most two stored copies
+of the state and the shared tier one (and what step 3 writes there before step 2 is deleted); one
+disk for both must hold three (24 GB on a 64 GB disk does not: `--shared-dir` puts the shared tier
+elsewhere), checked after step 1 with its stored size. Nothing is restored: the migration's own checks
 (every chunk verified as it is read) are what this row relies on; the tests restore migrated steps.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import tiered
@@ -61,10 +66,11 @@ def run_migration(row: Row, run: Run, base: float) -> None:
     if world() > 1:
         raise RuntimeError("the migration row runs on one rank (one migrator per node)")
     mode = migration_spec(run.load)
-    local, shared = run.root / "migration-local", run.root / "migration-shared"
+    local, shared = run.root / "migration-local", run.shared_root or run.root / "migration-shared"
     codec = {} if run.codec == "auto" else {"codec": run.codec}
     cfg = {"migration": mode, "tiers": [{"name": "local", "kind": "local", "path": str(local), **codec},
                                         {"name": "shared", "kind": "posix", "path": str(shared), "codec": "zstd"}]}
+    shutil.rmtree(shared, ignore_errors=True)  # (`--shared-dir` is wiped, as --dir is)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors_of(run.state))
     rss0, t0 = rss(), time.perf_counter()
     engine = tiered.Engine.from_config(cfg)
@@ -74,7 +80,7 @@ def run_migration(row: Row, run: Run, base: float) -> None:
         engine.wait_pinned()
         say(f"#   {row.name}: engine with a shared tier (zstd), migration: {mode}, pinned in "
             f"{time.perf_counter() - t0:.1f} s")
-        out = _measure(engine, run, state_bytes, mode)
+        out = _measure(engine, run, state_bytes, mode, (local, shared))
         row.host_taken = rss() - rss0
         for g in guards:
             g.remove()
@@ -105,13 +111,30 @@ def describe(name: str, m: dict) -> str:
             f"{m.get('migrate_s')} s (at best {m.get('migrate_gbps')} GB/s of state)")
 
 
-def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
+def check_room(local: Path, shared: Path, stored: int) -> None:
+    """Raise, naming `--shared-dir`, where the disks cannot hold what the rest of the row keeps at
+    once: steps 2 and 3 on the local tier and step 2 on the shared one (`stored` bytes each, step 1's;
+    a tenth more for what step 3 writes to the shared tier before step 2 is deleted there)."""
+    need = {local: 2.0 * stored, shared: 1.1 * stored}
+    if os.stat(local).st_dev == os.stat(shared).st_dev:
+        need = {local: 3.1 * stored}
+    for path, nbytes in need.items():
+        free = shutil.disk_usage(path).free
+        if free < nbytes:
+            raise RuntimeError(
+                f"the migration row needs {nbytes / 1e9:.1f} GB free at {path} for the rest of its steps "
+                f"({stored / 1e9:.2f} GB each, as stored), {free / 1e9:.1f} GB is: give the shared tier "
+                f"another disk (--shared-dir) or run a smaller --scale")
+
+
+def _measure(engine: Any, run: Run, state_bytes: int, mode: str, roots: tuple[Path, Path]) -> dict:
     window = run.window
     windows: dict[str, list[float]] = {"migrating": [], "idle": []}
     durable_at: dict[int, float] = {}
     shared_at: dict[int, float] = {}
     handles: dict[int, Any] = {}
     saves: list[dict] = []
+    dropped: set[int] = set()
 
     def on_shared(step: int) -> bool:
         if step not in shared_at and step in engine.steps("shared"):
@@ -165,16 +188,21 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
             pass  # (still migrating)
 
     def drop(step: int) -> None:
-        engine.get_tier("shared").delete(step)
-        if step in engine.steps("local"):
-            engine.get_tier("local").delete(step)
+        """Delete a migrated step from both tiers, once."""
+        if step not in dropped:
+            dropped.add(step)
+            engine.get_tier("shared").delete(step)
+            if step in engine.steps("local"):
+                engine.get_tier("local").delete(step)
 
     base_ms = 1e3 * window.baseline()
     saves.append(save(1, base_ms))
     while not on_shared(1):
         failed()
         timed_window([1], "migrating")
+    stored_1 = engine.read_index(1, tier="local")[0].stored_bytes
     drop(1)
+    check_room(*roots, stored_1)
     for _ in range(min(IDLE_MAX, max(3, len(windows["migrating"])))):
         timed_window([], "idle")
     idle_ms = statistics.median(windows["idle"])
@@ -188,6 +216,8 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
     while not (on_shared(2) and on_shared(3)):
         failed()
         timed_window([2, 3], "migrating")
+        if on_shared(2):
+            drop(2)  # (at once: its copies and step 3's would not fit a 24 GB state's disk otherwise)
     # Each step's migration as the migrator timed it (its records: tiered.records), from its start
     hops = {r["step"]: r for r in engine.stats() if r.get("kind") == "migrate" and r.get("dst") == "shared"}
     migrate_s = {s: round(hops[s]["seconds"], 2) for s in (1, 2, 3) if s in hops}
@@ -215,5 +245,5 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str) -> dict:
         "migrate_s": migrate_s,  # (the migrator's own time for each step, from the start of its copy)
         "migrate_gbps": round(state_bytes / 1e9 / min(migrate_s.values()), 3) if migrate_s else None, "to_shared_gbps": round(state_bytes / 1e9 / statistics.median(to_shared), 3)
         if statistics.median(to_shared) > 0 else None,
-        "stored_bytes_shared": stored_shared, "shared_codecs": codecs, "saves": saves,
+        "stored_bytes_shared": stored_shared, "shared_codecs": codecs, "shared_root": str(roots[1]), "saves": saves,
     }

@@ -17,9 +17,12 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 @pytest.mark.parametrize("row", ["migration", "migration:in_process"])
 def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(tmp_path, row):
     root, out = tmp_path / "bench", tmp_path / "out.json"
+    # The default mode's row with its shared tier elsewhere (`--shared-dir`), the thread's under --dir.
+    shared = tmp_path / "elsewhere" / "shared"
+    elsewhere = ["--shared-dir", str(shared)] if row == "migration" else []
     run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
                           "one", "--saves", "3", "--window-steps", "1", "--methods", row, "--dir", str(root),
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+                          "--out", str(out), *elsewhere], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [got] = json.loads(out.read_text())["scale"][0]["rows"]
     assert got["name"] == row and got["error"] is None, got["error"]
@@ -35,6 +38,22 @@ def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(t
     assert got["restore_s"] is None, "no restore: the row is not one of the bit-exact checks"
     assert f"{row} (" in run.stdout and "while a step migrates" in run.stdout, run.stdout[-2000:]
     assert not root.exists(), "both tiers deleted with the bench's root"
+    assert not shared.exists(), "a shared tier elsewhere deleted with the row"
+    if elsewhere:
+        assert str(shared) in json.loads(out.read_text())["scale"][0]["rows"][0]["migration"]["shared_root"]
+
+
+def test_the_migration_row_refuses_disks_that_cannot_hold_its_steps(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from scale_migration import check_room
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    local.mkdir(), shared.mkdir()
+    check_room(local, shared, 1 << 20)  # (a MiB a step fits)
+    with pytest.raises(RuntimeError, match=r"needs .* GB free at .*local.*\(--shared-dir\) or run a smaller --scale"):
+        check_room(local, shared, 1 << 60)
 
 
 def test_the_migration_row_names_a_mode_it_does_not_know():
