@@ -60,7 +60,8 @@ interleave = "--interleave" in sys.argv
 probes' median set against the rounds' (a probe and a copy alternate, so each follows the other
 as often, and the disk's drift over the run falls on both). The start-of-run probe is one
 moment of a disk whose write rate moved by a third within minutes (GPU run 285: 2.13 -> 1.29
-GB/s)."""
+GB/s). Recompressions: zstd's rate on the state's chunks (`zstd_ceiling`) before each steady
+round, set against the rounds' median the same way."""
 
 
 
@@ -74,8 +75,9 @@ def run(src_codec: str, ntensors: int, total_mb: int, threads: int) -> tuple[flo
     """GB/s of raw state migrated: the step's first migration, and the median of `rounds` more (the
     steady state of a migrator: its buffers kept; the step deleted from the target in between),
     each with the source's data file out of the page cache; the bytes the target's data files
-    hold per raw byte (what a disk writes); and, with `--interleave`, the write-ceiling probes
-    taken between the rounds (GB/s; see `interleave`)."""
+    hold per raw byte (what a disk writes); and, with `--interleave`, the probes taken between
+    the rounds (GB/s; see `interleave`): the disk's write ceiling for a plain copy, zstd's rate on
+    this state's chunks for a recompression."""
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(src_root, ignore_errors=True)
     cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": src_root, "codec": src_codec},
