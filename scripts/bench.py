@@ -299,6 +299,10 @@ def main() -> int:
                          "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "
                          "PREFIX-ROW.json traces. The profiler takes GPU memory of its own (its window ran out of "
                          "it once at 24 GB with 6 GiB free; the row keeps its measured saves then)")
+    ap.add_argument("--settle-ms", type=float, default=0.0, metavar="MS",
+                    help="scale mode: before every second save's window (saves 2, 4, ...) wait MS ms after the "
+                         "window without a save, the GPU idle: whether a pause just before a save changes what it "
+                         "costs (the last save's fingerprint makes one); each save's record says its pause")
     ap.add_argument("--codec", default="auto", choices=("auto", "ans", "zstd", "none"),
                     help="scale mode: the tiered rows' fast-tier codec (default auto, as the embedded config; a "
                          "pinned one skips the policy's one-off measurement after the first save)")
@@ -451,7 +455,8 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
                              drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch, trace=args.trace,
-                             codec=args.codec, shared_dir=Path(args.shared_dir) if args.shared_dir else None,
+                             settle_ms=args.settle_ms, codec=args.codec,
+                             shared_dir=Path(args.shared_dir) if args.shared_dir else None,
                              progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))
         results["scale"].append(out)

@@ -96,7 +96,8 @@ GiB = 1 << 30
 def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: float, saves: int,
              window_steps: int, methods: list[str], drop_caches, ceilings: Callable[[int], dict],
              progress: Callable[[dict], None] = lambda out: None, gil_watch: bool = False,
-             trace: str | None = None, codec: str = "auto", shared_dir: Path | None = None) -> dict:
+             trace: str | None = None, codec: str = "auto", shared_dir: Path | None = None,
+             settle_ms: float = 0.0) -> dict:
     """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
     state, step_fn, optimizers = live.build(int(size_gb * 1e9))
     replicas = len(state)
@@ -136,7 +137,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     if one_copy:
         say("#   the disk holds less than two copies of the state: each step is deleted before the next save")
     run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch,
-              trace=trace, codec=codec, shared_root=shared_dir)
+              trace=trace, codec=codec, shared_root=shared_dir, settle_ms=settle_ms)
     rows = []
     try:
         for k, name in enumerate(methods):

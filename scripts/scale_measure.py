@@ -277,6 +277,9 @@ class Row:
             vals = [s[key] for s in saves]
             return None if not vals else {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
 
+        def paused(s: dict) -> bool:
+            return bool(s.get("settle_ms") or s.get("fingerprint_before"))
+
         # Saves from the third on, apart: the second save of a run has stalled more than later ones
         # at 24 GB (GPU runs 165-166: 453-885 ms against 107-524), with codec: auto's measurement
         # beside it and, less, without; the warm median the targets use still counts it.
@@ -285,6 +288,11 @@ class Row:
                 "warm_extra_steps_ms": [round(statistics.median(col), 1) for col in zip(*extra)] if extra else None,
                 "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
                 "later_stall_ms": stats("stall_ms", self.saves[2:]),
+                # (`--settle-ms`: the warm saves that came right after the window without a save, and
+                # those after a pause, the fingerprint's included)
+                **({"unpaused_stall_ms": stats("stall_ms", [s for s in warm if not paused(s)]),
+                    "paused_stall_ms": stats("stall_ms", [s for s in warm if paused(s)])}
+                   if any("settle_ms" in s for s in warm) else {}),
                 "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"),
                 "baseline_window_ms": stats("base_ms", [s for s in self.saves if "base_ms" in s]),
                 "stored_bytes": self.stored,
@@ -373,7 +381,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         near_counts = counted(counts0, allocator_counts(device))
         near_steps = window.last_steps_ms
         if k == saves - 1:
-            prints = fingerprint(state)
+            prints = fingerprint(state)  # (about 2 syncs a tensor: a pause before this save's window)
+        settle = run.settle_ms if k % 2 else 0.0
+        if settle:
+            time.sleep(settle / 1e3)
         barrier()
         gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
         traced = run.trace and k == saves - 1
@@ -408,7 +419,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         else:
             row.add(near, secs, call, done - t_call[0], low, free0, rss(), rss0)
             rec = row.saves[-1]
-        rec.update(base_ms=round(1e3 * near, 1), stall_vs_start_ms=None if oom else round(1e3 * (secs - base), 1),
+        rec.update(fingerprint_before=k == saves - 1, **({"settle_ms": settle} if run.settle_ms else {}),
+                   base_ms=round(1e3 * near, 1), stall_vs_start_ms=None if oom else round(1e3 * (secs - base), 1),
                    steps_ms=None if oom else window.last_steps_ms, base_steps_ms=near_steps,
                    # Where the stall lands: each step of the save's window against the same step of
                    # the window just before it (the last entry: the wait for the GPU's backlog).
@@ -507,6 +519,9 @@ class Run:
     """A row that saves nothing: its load, the ":" part of its name (`gil_load:100x0.5x500`)."""
     stage_after_ms: float | str = "auto"
     """An overlapped row's `guard(stage_after_ms=...)`: the default, or what its name sets (`ROW+MS`)."""
+    settle_ms: float = 0.0
+    """Before every second save's window (saves 2, 4, ...), a pause this long after the window
+    without a save (`--settle-ms`): whether a pause just before a save changes its cost."""
     shared_root: Path | None = None
     """The migration row's shared tier (`--shared-dir`); None: `root / "migration-shared"`."""
     shared: dict = field(default_factory=dict)

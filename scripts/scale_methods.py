@@ -78,6 +78,8 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
     row.extra["pin_s"] = run.shared["pin_s"]
     row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
     timings = [h.timings for step, (h, _) in sorted(handles.items())][:run.saves]  # (not a traced save's)
+    for rec, t in zip(row.saves, timings):  # when each save's reads began and ended
+        rec["timings_ms"] = {k: round(t[k], 1) for k in ("step_after_ms", "stage_after_ms", "staged_ms") if k in t}
     warm = timings[1:]
     row.extra["save_timings_ms"] = {k: round(statistics.median(t.get(k, 0.0) for t in warm), 1)
                                     for k in (warm[0] if warm else {})}

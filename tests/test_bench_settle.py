@@ -1,0 +1,45 @@
+"""The scale bench's `--settle-ms` (scripts/scale_measure.py): a pause before every second save's
+window, recorded per save with the last save's fingerprint (a pause of its own), and the warm
+saves' stalls summarised apart, paused and not; run end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_the_scale_bench_pauses_before_every_second_save_and_says_which(tmp_path):
+    root, out = tmp_path / "bench", tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
+                          "one", "--saves", "5", "--window-steps", "1", "--methods", "tiered_overlap",
+                          "--settle-ms", "40", "--dir", str(root), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [got] = json.loads(out.read_text())["scale"][0]["rows"]
+    assert got["error"] is None and got["restore_bit_exact"] is True
+    saves = got["saves"]
+    assert [s["settle_ms"] for s in saves] == [0.0, 40.0, 0.0, 40.0, 0.0]
+    assert [s["fingerprint_before"] for s in saves] == [False, False, False, False, True]
+    # of the warm saves 2-5, 2 and 4 waited and 5 followed the fingerprint: only 3 came right after its window
+    assert got["unpaused_stall_ms"]["median"] == saves[2]["stall_ms"]
+    paused = sorted(s["stall_ms"] for s in (saves[1], saves[3], saves[4]))
+    assert got["paused_stall_ms"]["median"] == paused[1]
+    assert all("staged_ms" in s["timings_ms"] for s in saves), [s.get("timings_ms") for s in saves]
+
+
+def test_the_scale_bench_leaves_the_paused_summary_out_without_settle_ms():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from scale_measure import Row
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    row = Row("tiered_overlap")
+    for _ in range(3):
+        row.add(1.0, 1.02, 0.003, 1.0, 0, 0, 0, 0)
+        row.saves[-1]["fingerprint_before"] = False
+    summary = row.summary()
+    assert "paused_stall_ms" not in summary and "unpaused_stall_ms" not in summary
