@@ -43,3 +43,31 @@ def test_the_scale_bench_leaves_the_paused_summary_out_without_settle_ms():
         row.saves[-1]["fingerprint_before"] = False
     summary = row.summary()
     assert "paused_stall_ms" not in summary and "unpaused_stall_ms" not in summary
+
+
+def test_the_scale_bench_leads_each_window_without_a_save_in_with_one_not_measured(tmp_path):
+    """Both windows a stall compares follow training: the one without a save comes right after a
+    window of training that is not measured (`Run.lead_in`), unless `--no-lead-in`."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import scale_measure
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    runs: list[str] = []
+
+    class Window:
+        last_steps_ms = [1.0, 0.0]
+
+        def run(self, save=None, before_update=None):
+            runs.append("save" if save else "plain")
+            return 0.5, 0.0, save() if save else None
+
+    def measured(lead_in: bool) -> list[str]:
+        runs.clear()
+        run = scale_measure.Run({"w": scale_measure.torch.zeros(4)}, Window(), 2, tmp_path, "cpu", lambda: False, [],
+                                lead_in=lead_in)
+        scale_measure.measure(scale_measure.Row("r"), run, 0.5, lambda n: n, lambda n: 0.0, lambda n: None)
+        return list(runs)
+
+    assert measured(True) == ["plain", "plain", "save"] * 2
+    assert measured(False) == ["plain", "save"] * 2
