@@ -299,11 +299,10 @@ def main() -> int:
                          "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "
                          "PREFIX-ROW.json traces. The profiler takes GPU memory of its own (its window ran out of "
                          "it once at 24 GB with 6 GiB free; the row keeps its measured saves then)")
-    ap.add_argument("--no-lead-in", dest="lead_in", action="store_false",
-                    help="scale mode: measure each save's window without a save right after the wait for the "
-                         "last save to be durable, not after a window of training (as runs 335 and before did: "
-                         "the save's window, which follows training, then ran slower on an H200 with no save at "
-                         "all, its SM clock lower under sustained load)")
+    ap.add_argument("--lead-in-s", type=float, default=2.0, metavar="S",
+                    help="scale mode: train at least S seconds (whole windows, one at least), not measured, "
+                         "before each save's window without a save, as its window follows training (the GPU's "
+                         "clock follows its recent power); 0: none, as runs 337 and before")
     ap.add_argument("--settle-ms", type=float, default=0.0, metavar="MS",
                     help="scale mode: before every second save's window (saves 2, 4, ...) wait MS ms after the "
                          "window without a save, the GPU idle: whether a pause just before a save changes what it "
@@ -460,7 +459,7 @@ def scale_mode(args, live, dev: str, root: Path, results: dict) -> int:
         out = scale.run_size(size, live, dev, root, free_gb=args.free_gb, saves=args.saves,
                              window_steps=args.window_steps, methods=args.methods.split(","),
                              drop_caches=drop_caches, ceilings=ceilings, gil_watch=args.gil_watch, trace=args.trace,
-                             settle_ms=args.settle_ms, lead_in=args.lead_in, codec=args.codec,
+                             settle_ms=args.settle_ms, lead_in_s=args.lead_in_s, codec=args.codec,
                              shared_dir=Path(args.shared_dir) if args.shared_dir else None,
                              progress=lambda partial: lead and args.out and Path(args.out).write_text(
                                  json.dumps({**results, "scale": results["scale"] + [partial]}, indent=1)))

@@ -51,11 +51,12 @@ To start each rank seeing its own GPU alone, as docs/distributed.md advises:
 
 For each: the training stall as the loop feels it (the wall time of a window of real training
 steps, forward + backward + optimizer step, that contains one save, minus the same window
-without a save run just before it, which itself comes right after a window of training that is
-not measured, so that both windows follow training: on an H200 a window right after another ran
-~25 ms slower than one after the wait for the last save to be durable, its SM clock lower under
-sustained load, GPU run 336; `--no-lead-in` measures as runs 335 and before did; the stall
-against the median of the method's first baseline windows is kept as `stall_vs_start_ms`),
+without a save run just before it, which itself comes after `--lead-in-s` (2 s) of training not
+measured, so that both windows follow training: the GPU's clock follows its recent power, and on
+a power-capped H200 a window right after another ran ~25 ms slower than one after the wait for
+the last save to be durable, GPU run 336; `--lead-in-s 0` measures as runs 337 and before did;
+the `no_save` row saves nothing and shows what the bench measures then; the stall against the
+median of the method's first baseline windows is kept as `stall_vs_start_ms`),
 next to the save call's own time; time to durable (from the call until
 committed and fsync'd); stored bytes; GPU memory the method took (free GPU memory before its
 first save minus the least seen after; for tiered, from before the engine was made, so its
@@ -101,7 +102,7 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
              window_steps: int, methods: list[str], drop_caches, ceilings: Callable[[int], dict],
              progress: Callable[[dict], None] = lambda out: None, gil_watch: bool = False,
              trace: str | None = None, codec: str = "auto", shared_dir: Path | None = None,
-             settle_ms: float = 0.0, lead_in: bool = True) -> dict:
+             settle_ms: float = 0.0, lead_in_s: float = 2.0) -> dict:
     """Every method at one size; `progress(out)` after each row (a run cut off keeps the rows done)."""
     state, step_fn, optimizers = live.build(int(size_gb * 1e9))
     replicas = len(state)
@@ -135,7 +136,6 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         say(f"# ceilings: {out['ceilings']}")
     window = Window(step_fn, device, window_steps)
     out["window_ms"] = round(1e3 * window.baseline(), 1)
-    out["lead_in"] = lead_in
     out["window_steps_ms"] = window.last_steps_ms  # the last baseline window's steps
     root.mkdir(parents=True, exist_ok=True)
     one_copy = shutil.disk_usage(root).free < 2.2 * state_bytes * world()
@@ -143,7 +143,8 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         say("#   the disk holds less than two copies of the state: each step is deleted before the next save")
     run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch,
               trace=trace, codec=codec, shared_root=shared_dir, settle_ms=settle_ms,
-              lead_in=lead_in)
+              lead_in_s=lead_in_s)
+    out["lead_in_windows"] = run.lead_in_windows(out["window_ms"] / 1e3)
     rows = []
     try:
         for k, name in enumerate(methods):
@@ -266,10 +267,17 @@ def print_size(out: dict) -> None:
     for r in out["rows"]:
         b = r.get("baseline_window_ms")
         if b and not r["error"]:
-            after = ", itself right after one not measured" if out.get("lead_in") else ""
+            n = out.get("lead_in_windows", 0)
+            after = f", itself right after {n} not measured" if n else ""
             print(f"{r['name']}: the windows without a save (one just before each save{after}, which its stall is "
                   f"measured against) took {b['median']} ms, {b['min']}–{b['max']} over the run "
                   f"(a spread of {b['max'] - b['min']:.1f} ms)")
+    control = next((r for r in out["rows"] if r["name"].startswith("no_save") and not r["error"]), None)
+    if control:
+        c = control["warm_stall_ms"]["median"]
+        print(f"{control['name']} (nothing saved) measured {c} ms: the warm medians less that: "
+              + ", ".join(f"{r['name']} {r['warm_stall_ms']['median'] - c:+.1f} ms" for r in out["rows"]
+                          if r is not control and not r["error"] and r.get("warm_stall_ms")))
     for r in out["rows"]:
         if r.get("migration") and not r["error"]:
             print(describe_migration(r["name"], r["migration"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import statistics
 import time
@@ -376,8 +377,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         # stands in its first 100 ms when no save runs is what the save's window is read against)
         near_gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
         counts0 = allocator_counts(device)
-        if run.lead_in:
-            window.run()  # (not measured: the window without a save follows training, as the save's does)
+        for _ in range(run.lead_in_windows(base)):  # (not measured: see Run.lead_in_s)
+            window.run()
         with near_gil:
             near = window.run()[0]  # the window without a save, now (see above); it trains the state on
         near_counts = counted(counts0, allocator_counts(device))
@@ -521,12 +522,17 @@ class Run:
     """A row that saves nothing: its load, the ":" part of its name (`gil_load:100x0.5x500`)."""
     stage_after_ms: float | str = "auto"
     """An overlapped row's `guard(stage_after_ms=...)`: the default, or what its name sets (`ROW+MS`)."""
-    lead_in: bool = True
-    """Each save's window without a save comes right after a window of training that is not
-    measured, as the save's window comes right after it: on an H200 a window that followed
-    another ran ~25 ms slower than one that followed the ~1 s the bench waits for a save to be
-    durable, with no save at all (GPU run 336: the SM clock falls under sustained load, its
-    power capped), which counted as stall (`--no-lead-in`: runs 335 and before)."""
+    lead_in_s: float = 2.0
+    """Each save's window without a save comes after at least this long of training that is not
+    measured (whole windows, one at least), as the save's window comes right after it: the GPU's
+    clock follows its recent power. On an H200 (power capped at batch 192) a window right after
+    another ran ~25 ms slower than one after the ~1 s the bench waits for a save to be durable,
+    and ~11 ms faster than one after a single 0.5 s window, with nothing saved (GPU runs 336-337).
+    0: none (`--lead-in-s 0`: runs 337 and before)."""
+
+    def lead_in_windows(self, window_s: float) -> int:
+        """How many windows of `window_s` seconds lead each window without a save in."""
+        return max(1, math.ceil(self.lead_in_s / window_s)) if self.lead_in_s > 0 else 0
     settle_ms: float = 0.0
     """Before every second save's window (saves 2, 4, ...), a pause this long after the window
     without a save (`--settle-ms`): whether a pause just before a save changes its cost."""

@@ -225,6 +225,25 @@ def load_spec(method: str, text: str, defaults: tuple[float, ...], form: str) ->
     return tuple(values) + defaults[len(values):]
 
 
+def no_save_spec(text: str) -> float:
+    """The seconds after each save's point that a `no_save[:S]` row counts as durable (default 1)."""
+    return load_spec("no_save", text, (1.0,), "S (seconds)")[0]
+
+
+def run_no_save(row: Row, run: Run, base: float) -> None:
+    """No save and no load: the control row. Its stall is what the bench measures with nothing in
+    the save's window: from one window to the next the GPU's clock moves with its recent power
+    (GPU run 336: +25 ms at 2.4 GB without the lead-in window). It counts as durable S seconds
+    after each save's point, resting the GPU as long as a save's wait for durable would."""
+    rest = no_save_spec(run.load)
+
+    def durable(until: float) -> float:
+        time.sleep(max(0.0, until - time.perf_counter()))
+        return time.perf_counter()
+
+    measure(row, run, base, lambda n: time.perf_counter() + rest, durable, lambda n: None)
+
+
 def gil_load_spec(text: str) -> tuple[float, float, float]:
     """(total, burst, span) in ms of a `gil_load:TOTAL[xBURST[xSPAN]]` row (defaults: 100 ms in
     bursts of 0.5 ms over 500 ms)."""
@@ -364,6 +383,8 @@ METHODS = {
     "dcp_pinned": (run_dcp_pinned, "async_save, one FileSystemWriter(cache_staged_state_dict=True) reused"),
     "dcp_stager": (run_dcp_stager, "async_save + DefaultStager(use_async_staging=True), waited for before optimizer.step"),
     "torch_save": (run_torch_save, "torch.save + fsync: synchronous"),
+    "no_save": (run_no_save, "no save: the control row, what the bench measures with nothing in the save's window; "
+                             "durable S seconds after each save's point (no_save:S; default 1)"),
     "gil_load": (run_gil_load, "no save: Python on another thread at each save's point, TOTAL ms of its CPU in "
                                "BURST-ms pieces over SPAN ms (gil_load:TOTAL[xBURST[xSPAN]]; default 100x0.5x500)"),
     "d2h_load": (run_d2h_load, "no save: GB of the state's GPU tensors copied to pinned host memory at each save's "
@@ -373,7 +394,7 @@ METHODS = {
                                  "process); guarded saves; no restore"),
 }
 
-LOAD_SPECS = {"gil_load": gil_load_spec, "d2h_load": d2h_load_spec, "migration": migration_spec}
+LOAD_SPECS = {"no_save": no_save_spec, "gil_load": gil_load_spec, "d2h_load": d2h_load_spec, "migration": migration_spec}
 """The rows whose name's ":" part is not a codec, and its reader: the rows that save nothing (their
 load) and the migration row (its mode). None of them restores."""
 

@@ -45,9 +45,9 @@ def test_the_scale_bench_leaves_the_paused_summary_out_without_settle_ms():
     assert "paused_stall_ms" not in summary and "unpaused_stall_ms" not in summary
 
 
-def test_the_scale_bench_leads_each_window_without_a_save_in_with_one_not_measured(tmp_path):
-    """Both windows a stall compares follow training: the one without a save comes right after a
-    window of training that is not measured (`Run.lead_in`), unless `--no-lead-in`."""
+def test_the_scale_bench_leads_each_window_without_a_save_in_with_training_not_measured(tmp_path):
+    """Both windows a stall compares follow training: the one without a save comes after
+    `Run.lead_in_s` of training that is not measured, in whole windows, unless it is 0."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         import scale_measure
@@ -62,12 +62,28 @@ def test_the_scale_bench_leads_each_window_without_a_save_in_with_one_not_measur
             runs.append("save" if save else "plain")
             return 0.5, 0.0, save() if save else None
 
-    def measured(lead_in: bool) -> list[str]:
+    def measured(lead_in_s: float) -> list[str]:
         runs.clear()
         run = scale_measure.Run({"w": scale_measure.torch.zeros(4)}, Window(), 2, tmp_path, "cpu", lambda: False, [],
-                                lead_in=lead_in)
+                                lead_in_s=lead_in_s)
         scale_measure.measure(scale_measure.Row("r"), run, 0.5, lambda n: n, lambda n: 0.0, lambda n: None)
         return list(runs)
 
-    assert measured(True) == ["plain", "plain", "save"] * 2
-    assert measured(False) == ["plain", "save"] * 2
+    assert measured(2.0) == ["plain"] * 4 + ["plain", "save"] + ["plain"] * 4 + ["plain", "save"], "2 s of 0.5 s windows"
+    assert measured(0.1) == ["plain", "plain", "save"] * 2, "one window at least"
+    assert measured(0) == ["plain", "save"] * 2
+
+
+def test_the_scale_benchs_control_row_saves_nothing_and_the_summary_nets_the_rows_of_it(tmp_path):
+    root, out = tmp_path / "bench", tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
+                          "one", "--saves", "3", "--window-steps", "1", "--lead-in-s", "0.05", "--methods",
+                          "no_save:0.2,tiered_overlap", "--dir", str(root), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    control, tiered = json.loads(out.read_text())["scale"][0]["rows"]
+    assert control["name"] == "no_save:0.2" and control["stored_bytes"] == 0 and control["restore_s"] is None
+    assert all(0.2 <= s["durable_s"] < 1.5 for s in control["saves"]), control["saves"]
+    net = tiered["warm_stall_ms"]["median"] - control["warm_stall_ms"]["median"]
+    assert f"no_save:0.2 (nothing saved) measured {control['warm_stall_ms']['median']} ms" in run.stdout
+    assert f"tiered_overlap {net:+.1f} ms" in run.stdout, run.stdout[-2000:]
