@@ -295,7 +295,7 @@ def main() -> int:
                          "first 100 ms of the save's window and of the window without a save before it "
                          "(scripts/gil_watch.py; it costs a little GIL)")
     ap.add_argument("--trace", nargs="?", const="summary", default=None, metavar="PREFIX",
-                    help="scale mode: one more save per row, after the measured ones, its window profiled "
+                    help="scale mode: the save after the measured ones (not counted), its window profiled "
                          "(scripts/gpu_timeline.py): where its steps' GPU time went; with PREFIX, also write "
                          "PREFIX-ROW.json traces. The profiler takes GPU memory of its own (its window ran out of "
                          "it once at 24 GB with 6 GiB free; the row keeps its measured saves then)")

@@ -278,9 +278,6 @@ class Row:
             vals = [s[key] for s in saves]
             return None if not vals else {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
 
-        def paused(s: dict) -> bool:
-            return bool(s.get("settle_ms") or s.get("fingerprint_before"))
-
         # Saves from the third on, apart: the second save of a run has stalled more than later ones
         # at 24 GB (GPU runs 165-166: 453-885 ms against 107-524), with codec: auto's measurement
         # beside it and, less, without; the warm median the targets use still counts it.
@@ -290,9 +287,9 @@ class Row:
                 "first": self.saves[0] if self.saves else None, "warm_stall_ms": stats("stall_ms"),
                 "later_stall_ms": stats("stall_ms", self.saves[2:]),
                 # (`--settle-ms`: the warm saves that came right after the window without a save, and
-                # those after a pause, the fingerprint's included)
-                **({"unpaused_stall_ms": stats("stall_ms", [s for s in warm if not paused(s)]),
-                    "paused_stall_ms": stats("stall_ms", [s for s in warm if paused(s)])}
+                # those after a pause)
+                **({"unpaused_stall_ms": stats("stall_ms", [s for s in warm if not s["settle_ms"]]),
+                    "paused_stall_ms": stats("stall_ms", [s for s in warm if s["settle_ms"]])}
                    if any("settle_ms" in s for s in warm) else {}),
                 "warm_call_ms": stats("call_ms"), "warm_durable_s": stats("durable_s"),
                 "baseline_window_ms": stats("base_ms", [s for s in self.saves if "base_ms" in s]),
@@ -344,8 +341,8 @@ def done_at(fut: Any) -> list[float]:
 def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durable: Callable[[Any], float],
             drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None,
             gpu_free0: int | None = None) -> list[tuple[int, int]]:
-    """`run.saves` windows, one save each (and, with `run.trace`, one more, traced, kept apart in
-    the row's "traced_save"), at the window's start: stall, call, durable (`durable(result)` waits
+    """`run.saves` windows, one save each, and one more kept apart (`Run.windows`) in the row's
+    "last_save" ("traced_save" with `run.trace`), each save at its window's start: stall, call, durable (`durable(result)` waits
     for it and returns when it completed), memory. Each save's stall is its window against a
     window without a save run just before it (`base_ms`; against the size's first baseline,
     `base`: `stall_vs_start_ms`): over a run the same steps drifted ~5-10 ms faster each (GPU run
@@ -383,14 +380,15 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             near = window.run()[0]  # the window without a save, now (see above); it trains the state on
         near_counts = counted(counts0, allocator_counts(device))
         near_steps = window.last_steps_ms
-        if k == saves - 1:
+        last = k == saves - 1  # (not counted: see Run.windows)
+        if last:
             prints = fingerprint(state)  # (about 2 syncs a tensor: a pause before this save's window)
-        settle = run.settle_ms if k % 2 else 0.0
+        settle = run.settle_ms if k % 2 and not last else 0.0
         if settle:
             time.sleep(settle / 1e3)
         barrier()
         gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
-        traced = run.trace and k == saves - 1
+        traced = bool(run.trace) and last
         tl = Timeline(device, keep=f"{run.trace}-{row.name}.json" if run.trace != "summary" else None) \
             if traced else contextlib.nullcontext()
         oom = None
@@ -415,14 +413,14 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             low = min(low, gpu_free(device))
             done = durable(result)
             low = min(low, gpu_free(device))
-        if traced:  # the profiler's cost is in this window: not one of the row's saves
-            rec = row.extra["traced_save"] = {"stall_ms": None if oom else round(1e3 * (secs - near), 1),
-                                              "call_ms": None if oom else round(1e3 * call, 1),
-                                              "timeline": tl.summary, **({"error": oom} if oom else {})}
+        if last:  # after a pause (the fingerprint), and the profiler's cost where traced: not one of the row's saves
+            rec = row.extra["traced_save" if traced else "last_save"] = {
+                "stall_ms": None if oom else round(1e3 * (secs - near), 1), "call_ms": None if oom else round(1e3 * call, 1),
+                **({"timeline": tl.summary} if traced else {}), **({"error": oom} if oom else {})}
         else:
             row.add(near, secs, call, done - t_call[0], low, free0, rss(), rss0)
             rec = row.saves[-1]
-        rec.update(fingerprint_before=k == saves - 1, **({"settle_ms": settle} if run.settle_ms else {}),
+        rec.update(**({"settle_ms": settle} if run.settle_ms else {}),
                    base_ms=round(1e3 * near, 1), stall_vs_start_ms=None if oom else round(1e3 * (secs - base), 1),
                    steps_ms=None if oom else window.last_steps_ms, base_steps_ms=near_steps,
                    # Where the stall lands: each step of the save's window against the same step of
@@ -446,7 +444,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             f"{', '.join(rec['base_main_where'])})" if run.gil_watch else ""
         if save_counts or near_counts:
             gil_note += f"; allocator counters moved: {save_counts or 'none'} (without a save: {near_counts or 'none'})"
-        say(f"#   {row.name} save {k + 1}{' (traced, not counted)' if traced else ''}: stall {rec['stall_ms']} ms "
+        say(f"#   {row.name} save {k + 1}{' (not counted' + (', traced)' if traced else ')') if last else ''}: stall {rec['stall_ms']} ms "
             f"(call {rec['call_ms']} ms), durable {round(done - t_call[0], 2)} s{gc_note}{gil_note}")
         if traced:
             say(f"#   {row.name} save {k + 1}'s timeline{' (its window failed: ' + oom + ')' if oom else ''}: "
@@ -512,7 +510,7 @@ class Run:
     gil_watch: bool = False
     """Record each save's waits for the GIL (`--gil-watch`, scripts/gil_watch.py)."""
     trace: str | None = None
-    """Trace one more save's window after the measured ones (`--trace`, scripts/gpu_timeline.py):
+    """Trace the save after the measured ones (`--trace`, scripts/gpu_timeline.py; `windows`):
     "summary" keeps its summary in the row, a path prefix also writes each row's chrome trace there."""
     codec: str = "auto"
     """The tiered rows' fast-tier codec: the default config's `auto`, or one pinned (`--codec`)."""
@@ -529,10 +527,6 @@ class Run:
     another ran ~25 ms slower than one after the ~1 s the bench waits for a save to be durable,
     and ~11 ms faster than one after a single 0.5 s window, with nothing saved (GPU runs 336-337).
     0: none (`--lead-in-s 0`: runs 337 and before)."""
-
-    def lead_in_windows(self, window_s: float) -> int:
-        """How many windows of `window_s` seconds lead each window without a save in."""
-        return max(1, math.ceil(self.lead_in_s / window_s)) if self.lead_in_s > 0 else 0
     settle_ms: float = 0.0
     """Before every second save's window (saves 2, 4, ...), a pause this long after the window
     without a save (`--settle-ms`): whether a pause just before a save changes its cost."""
@@ -544,5 +538,14 @@ class Run:
 
     @property
     def windows(self) -> int:
-        """Saves made, the last one's number: a traced save comes after the measured ones."""
-        return self.saves + (1 if self.trace else 0)
+        """Saves made, the last one's number: one more after the measured ones, handed the state
+        whose fingerprint the restore is checked against. Taking it pauses training just before
+        that save's window (0.1-1 s of host syncs), which left the last save the cheapest of every
+        2.4 GB run (GPU runs 306-338), so it is not counted; with `--trace` it is the traced one."""
+        return self.saves + 1
+
+    def lead_in_windows(self, window_s: float) -> int:
+        """How many windows of `window_s` seconds lead each window without a save in."""
+        if self.lead_in_s <= 0:
+            return 0
+        return max(1, math.ceil(self.lead_in_s / window_s)) if window_s > 0 else 1

@@ -1026,6 +1026,12 @@ def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
     traced = row.extra["traced_save"]
     assert traced["error"].startswith("OutOfMemoryError") and traced["stall_ms"] is None, traced
     assert durable_of == [1, 2, 3] and run.windows == 3
+    untraced = sm.Run({"w": torch.ones(4)}, sm.Window(lambda before_update=None: None, "cpu", 1), 2, tmp_path, "cpu",
+                      lambda: False, [])
+    row = sm.Row("tiered")
+    sm.measure(row, untraced, 0.0, lambda n: n, lambda step: time.perf_counter(), lambda n: None)
+    assert untraced.windows == 3 and len(row.saves) == 2, "the save handed the fingerprinted state is not counted"
+    assert row.extra["last_save"]["stall_ms"] is not None and "timeline" not in row.extra["last_save"]
 
     save_one = lambda n: (traced_now.__setitem__(0, True), n)[1]  # noqa: E731 - out of memory in save 1's window
     with pytest.raises(torch.OutOfMemoryError):
