@@ -415,7 +415,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             low = min(low, gpu_free(device))
         if last:  # after a pause (the fingerprint), and the profiler's cost where traced: not one of the row's saves
             rec = row.extra["traced_save" if traced else "last_save"] = {
-                "stall_ms": None if oom else round(1e3 * (secs - near), 1), "call_ms": None if oom else round(1e3 * call, 1),
+                "stall_ms": None if oom else round(1e3 * (secs - near), 1),
+                "call_ms": None if oom else round(1e3 * call, 1),
                 **({"timeline": tl.summary} if traced else {}), **({"error": oom} if oom else {})}
         else:
             row.add(near, secs, call, done - t_call[0], low, free0, rss(), rss0)
