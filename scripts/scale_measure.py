@@ -342,9 +342,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None,
             gpu_free0: int | None = None) -> list[tuple[int, int]]:
     """`run.saves` windows, one save each, and one more kept apart (`Run.windows`) in the row's
-    "last_save" ("traced_save" with `run.trace`), each save at its window's start: stall, call, durable (`durable(result)` waits
-    for it and returns when it completed), memory. Each save's stall is its window against a
-    window without a save run just before it (`base_ms`; against the size's first baseline,
+    "last_save" ("traced_save" with `run.trace`), each save at its window's start: stall, call,
+    durable (`durable(result)` waits for it and returns when it completed), memory. Each save's
+    stall is its window against a window without a save run just before it, after the lead-in
+    (`Run.lead_in_s`) (`base_ms`; against the size's first baseline,
     `base`: `stall_vs_start_ms`): over a run the same steps drifted ~5-10 ms faster each (GPU run
     225, batch 192: 1,865 -> 1,857 ms), which a baseline taken once put to the later saves'
     credit (up to ~40 ms in a window of six). `drop(step)` deletes an older step once the
@@ -372,10 +373,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         barrier()
         # (with --gil-watch the window without a save is watched too: where the training thread
         # stands in its first 100 ms when no save runs is what the save's window is read against)
-        near_gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
-        counts0 = allocator_counts(device)
         for _ in range(run.lead_in_windows(base)):  # (not measured: see Run.lead_in_s)
             window.run()
+        near_gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
+        counts0 = allocator_counts(device)
         with near_gil:
             near = window.run()[0]  # the window without a save, now (see above); it trains the state on
         near_counts = counted(counts0, allocator_counts(device))
@@ -413,7 +414,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             low = min(low, gpu_free(device))
             done = durable(result)
             low = min(low, gpu_free(device))
-        if last:  # after a pause (the fingerprint), and the profiler's cost where traced: not one of the row's saves
+        if last:  # after a pause (the fingerprint), and the profiler's cost where traced: not counted
             rec = row.extra["traced_save" if traced else "last_save"] = {
                 "stall_ms": None if oom else round(1e3 * (secs - near), 1),
                 "call_ms": None if oom else round(1e3 * call, 1),
@@ -445,7 +446,8 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
             f"{', '.join(rec['base_main_where'])})" if run.gil_watch else ""
         if save_counts or near_counts:
             gil_note += f"; allocator counters moved: {save_counts or 'none'} (without a save: {near_counts or 'none'})"
-        say(f"#   {row.name} save {k + 1}{' (not counted' + (', traced)' if traced else ')') if last else ''}: stall {rec['stall_ms']} ms "
+        apart = (" (not counted, traced)" if traced else " (not counted)") if last else ""
+        say(f"#   {row.name} save {k + 1}{apart}: stall {rec['stall_ms']} ms "
             f"(call {rec['call_ms']} ms), durable {round(done - t_call[0], 2)} s{gc_note}{gil_note}")
         if traced:
             say(f"#   {row.name} save {k + 1}'s timeline{' (its window failed: ' + oom + ')' if oom else ''}: "

@@ -394,7 +394,8 @@ METHODS = {
                                  "process); guarded saves; no restore"),
 }
 
-LOAD_SPECS = {"no_save": no_save_spec, "gil_load": gil_load_spec, "d2h_load": d2h_load_spec, "migration": migration_spec}
+LOAD_SPECS = {"no_save": no_save_spec, "gil_load": gil_load_spec, "d2h_load": d2h_load_spec,
+              "migration": migration_spec}
 """The rows whose name's ":" part is not a codec, and its reader: the rows that save nothing (their
 load) and the migration row (its mode). None of them restores."""
 
