@@ -7,7 +7,9 @@ and the cold restore grow with the state, one line per method, one point per sta
 
 Every size of every file given is a point; where two files hold the same method at the same
 size, the later file wins. Warm medians; a failed row is left out of the panels and named in its
-file's caption.
+file's caption. The control row (`no_save:S`, whatever its S) is one line, "nothing saved
+(control)", in the stall panel alone; the rows that price a load without saving (`gil_load`,
+`d2h_load`) and the `migration` row are left out.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import json
 import sys
 from pathlib import Path
 
+CONTROL = "nothing saved (control)"
 COLORS = {"tiered": "#76b900", "tiered_overlap": "#2f6b00", "dcp_pinned": "#1f77b4", "dcp_stager": "#9467bd",
-          "torch_save": "#999999"}
+          "torch_save": "#999999", CONTROL: "#000000"}
+LEFT_OUT = ("gil_load", "d2h_load", "migration")
+"""Rows that are not a way to save: not charted."""
 OTHER_COLORS = ["#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 """For rows COLORS does not name (variants such as tiered_overlap_deferred), in the order met."""
 
@@ -41,11 +46,14 @@ def points(files: list[Path]) -> tuple[dict[str, dict[float, dict]], list[str]]:
             for r in out.get("rows", []):
                 if r.get("error"):
                     failed.append(f"{r['name']} failed at {out['state_gb']:g} GB ({str(r['error'])[:60]})")
-                if r.get("error") or not r.get("warm_stall_ms"):
+                method = r["name"].partition(":")[0]
+                if r.get("error") or not r.get("warm_stall_ms") or method in LEFT_OUT:
                     continue
-                series.setdefault(r["name"], {})[out["state_gb"]] = {
-                    "stall_ms": r["warm_stall_ms"]["median"], "durable_s": r["warm_durable_s"]["median"],
-                    "restore_s": r.get("restore_s")}
+                control = method == "no_save"
+                series.setdefault(CONTROL if control else r["name"], {})[out["state_gb"]] = {
+                    "stall_ms": r["warm_stall_ms"]["median"],
+                    "durable_s": None if control else r["warm_durable_s"]["median"],
+                    "restore_s": None if control else r.get("restore_s")}
         ranks = info.get("ranks", 1)
         captions.append(f"{path.stem}: {info.get('device', '?')}, {info.get('date', '?')}, "
                         f"{', '.join(f'{s:g}' for s in sizes)} GB{f' x {ranks} ranks' if ranks > 1 else ''}"
@@ -77,7 +85,8 @@ def main() -> int:
             if not xs:
                 continue
             ys = [by_size[s][key] for s in xs]
-            ax.plot(xs, ys, marker="o", label=name.replace("_", " "), color=color[name])
+            ax.plot(xs, ys, marker="o", label=name.replace("_", " "), color=color[name],
+                    linestyle=":" if name == CONTROL else "-")
         ax.set_xlabel("state per GPU, GB")
         ax.set_title(title, fontsize=10)
         if log:

@@ -791,6 +791,16 @@ def test_the_scale_chart_names_a_failed_row_and_colours_every_row_apart(tmp_path
     colours = chart.colors(sorted(series))
     assert len(set(colours.values())) == len(colours) and None not in colours.values(), colours
 
+    # the control row is one line whatever its rest, stall only; rows that save nothing else are left out
+    run["scale"] = [{"state_gb": gb, "rows": [dict(row, name=f"no_save:{rest}"), dict(row, name="gil_load:100"),
+                                              dict(row, name="migration:in_process"), dict(row, name="tiered_overlap")]}
+                    for gb, rest in ((2.43, 1.1), (24.28, 11))]
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    series, _ = chart.points([tmp_path / "run.json"])
+    assert sorted(series) == [chart.CONTROL, "tiered_overlap"]
+    assert sorted(series[chart.CONTROL]) == [2.43, 24.28]
+    assert all(v["durable_s"] is None and v["restore_s"] is None for v in series[chart.CONTROL].values())
+
 
 def test_the_scale_bench_judges_every_tiered_row_the_overlapped_one_run_alone_too():
     """`bench.py --scale --methods tiered_overlap` runs no strict row: the durable and restore
