@@ -17,9 +17,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="scale mode: which rows, in order; a tiered row may pin its codec (tiered_overlap:none); "
                         "ROW@MS runs a row with Python's switch interval at MS ms (sys.setswitchinterval); "
                         "a tiered ROW/SIZE with that budgets.pack_buffer (tiered_overlap/1GiB); an overlapped "
-                        "ROW+MS with guard(stage_after_ms=MS) (tiered_overlap+250; +0: none; default auto); no_save:S "
-                        "saves nothing (the control: what the bench measures then; durable S s later); rows that "
-                        "save nothing price one part of a save alone: gil_load:TOTALxBURSTxSPAN (ms of Python on "
+                        "ROW+MS with guard(stage_after_ms=MS) (tiered_overlap+250; +0: none; default auto); "
+                        "no_save:S saves nothing (the control: what the bench measures then; durable S s later); "
+                        "rows that save nothing price one part of a save alone: gil_load:TOTALxBURSTxSPAN (ms of Python on "
                         "another thread) and d2h_load:GBxSPAN (copies to pinned host memory; a GPU)")
     g.add_argument("--gil-watch", action="store_true",
                    help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "

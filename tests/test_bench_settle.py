@@ -1,6 +1,7 @@
-"""The scale bench's `--settle-ms` (scripts/scale_measure.py): a pause before every second save's
-window, recorded per save with the last save's fingerprint (a pause of its own), and the warm
-saves' stalls summarised apart, paused and not; run end to end on the CPU."""
+"""How the scale bench measures a stall (scripts/scale_measure.py), run on the CPU: `--settle-ms`
+(a pause before every second save's window, recorded per save, the warm saves' stalls summarised
+apart, paused and not), the save after the restore's fingerprint kept apart, `--lead-in-s`, and
+the `no_save` control row with the summary's stalls net of it."""
 
 from __future__ import annotations
 
