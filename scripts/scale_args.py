@@ -19,8 +19,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "a tiered ROW/SIZE with that budgets.pack_buffer (tiered_overlap/1GiB); an overlapped "
                         "ROW+MS with guard(stage_after_ms=MS) (tiered_overlap+250; +0: none; default auto); "
                         "no_save:S saves nothing (the control: what the bench measures then; durable S s later); "
-                        "rows that save nothing price one part of a save alone: gil_load:TOTALxBURSTxSPAN (ms of Python on "
-                        "another thread) and d2h_load:GBxSPAN (copies to pinned host memory; a GPU)")
+                        "rows that save nothing price one part of a save alone: gil_load:TOTALxBURSTxSPAN "
+                        "(ms of Python on another thread) and d2h_load:GBxSPAN (copies to pinned host memory; "
+                        "a GPU)")
     g.add_argument("--gil-watch", action="store_true",
                    help="scale mode: record, per save, how late a thread that asks for the GIL every ms got it, "
                         "and where the engine's threads were then, and where the training thread was in the "
