@@ -144,7 +144,6 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
     run = Run(state, window, saves, root, device, drop_caches, optimizers, one_copy, gil_watch=gil_watch,
               trace=trace, codec=codec, shared_root=shared_dir, settle_ms=settle_ms,
               lead_in_s=lead_in_s)
-    out["lead_in_windows"] = run.lead_in_windows(out["window_ms"] / 1e3)
     rows = []
     try:
         for k, name in enumerate(methods):
@@ -267,7 +266,7 @@ def print_size(out: dict) -> None:
     for r in out["rows"]:
         b = r.get("baseline_window_ms")
         if b and not r["error"]:
-            n = out.get("lead_in_windows", 0)
+            n = r.get("lead_in_windows", 0)  # (what its windows had: from its own baseline)
             after = f", itself right after {n} not measured" if n else ""
             print(f"{r['name']}: the windows without a save (one just before each save{after}, which its stall is "
                   f"measured against) took {b['median']} ms, {b['min']}–{b['max']} over the run "

@@ -359,6 +359,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
     saves = run.windows
     free0, rss0 = gpu_free(device) if gpu_free0 is None else gpu_free0, rss()
     low = gpu_free(device)
+    lead_in = row.extra["lead_in_windows"] = run.lead_in_windows(base)
     for k in range(saves):
         if k and run.one_copy:
             barrier()
@@ -373,7 +374,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
         barrier()
         # (with --gil-watch the window without a save is watched too: where the training thread
         # stands in its first 100 ms when no save runs is what the save's window is read against)
-        for _ in range(run.lead_in_windows(base)):  # (not measured: see Run.lead_in_s)
+        for _ in range(lead_in):  # (not measured: see Run.lead_in_s)
             window.run()
         near_gil = GilWaits() if run.gil_watch else contextlib.nullcontext()
         counts0 = allocator_counts(device)

@@ -60,16 +60,17 @@ def test_the_scale_bench_leads_each_window_without_a_save_in_with_training_not_m
             runs.append("save" if save else "plain")
             return 0.5, 0.0, save() if save else None
 
-    def measured(lead_in_s: float) -> list[str]:
+    def measured(lead_in_s: float) -> tuple[list[str], int]:
         runs.clear()
         run = scale_measure.Run({"w": scale_measure.torch.zeros(4)}, Window(), 2, tmp_path, "cpu", lambda: False, [],
                                 lead_in_s=lead_in_s)
-        scale_measure.measure(scale_measure.Row("r"), run, 0.5, lambda n: n, lambda n: 0.0, lambda n: None)
-        return list(runs)
+        row = scale_measure.Row("r")
+        scale_measure.measure(row, run, 0.5, lambda n: n, lambda n: 0.0, lambda n: None)
+        return list(runs), row.summary()["lead_in_windows"]
 
-    assert measured(2.0) == (["plain"] * 4 + ["plain", "save"]) * 3, "2 s of 0.5 s windows; 2 saves and the last"
-    assert measured(0.1) == ["plain", "plain", "save"] * 3, "one window at least"
-    assert measured(0) == ["plain", "save"] * 3
+    assert measured(2.0) == ((["plain"] * 4 + ["plain", "save"]) * 3, 4), "2 s of 0.5 s windows; 2 saves and the last"
+    assert measured(0.1) == (["plain", "plain", "save"] * 3, 1), "one window at least"
+    assert measured(0) == (["plain", "save"] * 3, 0)
 
 
 def test_the_scale_benchs_control_row_saves_nothing_and_the_summary_nets_the_rows_of_it(tmp_path):
@@ -85,3 +86,5 @@ def test_the_scale_benchs_control_row_saves_nothing_and_the_summary_nets_the_row
     net = tiered["warm_stall_ms"]["median"] - control["warm_stall_ms"]["median"]
     assert f"no_save:0.2 (nothing saved) measured {control['warm_stall_ms']['median']} ms" in run.stdout
     assert f"tiered_overlap {net:+.1f} ms" in run.stdout, run.stdout[-2000:]
+    n = tiered["lead_in_windows"]
+    assert n >= 1 and f"(one just before each save, itself right after {n} not measured," in run.stdout
