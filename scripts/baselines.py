@@ -56,7 +56,7 @@ def disk_ceilings(root: Path, nbytes: int, threads: int = 4, block: int = 16 << 
     bytes are written to a second one (`_copy_time`), with `threads` readers and writers and with
     twice as many, the faster. A copy between two tiers on one disk both reads and writes it; but
     this is no bound on one: on the lent H100 machines' virtual disk tiered's own copy went faster
-    (GPU runs 136-141: 0.9-1.2 GB/s against 0.87-0.95)."""
+    (0.9-1.2 GB/s against 0.87-0.95)."""
     import mmap
 
     root.mkdir(parents=True, exist_ok=True)
@@ -166,9 +166,9 @@ def gpu_codec_gbps(state_tensors: list[torch.Tensor], chunk_size: int = 1 << 20,
     tensors (tiered's batched path, timed with CUDA events)."""
     from tiered.codecs import get_codec_class
     from tiered.config import Budgets, ZstdSettings
-    from tiered.gpu import GpuDevice
-    from tiered.gpu_recode import GpuRecoder
-    from tiered.staging import HostPool
+    from tiered.gpu.device import GpuDevice
+    from tiered.gpu.recode import GpuRecoder
+    from tiered.stage.pools import HostPool
 
     pieces = []
     for t in state_tensors:
@@ -336,8 +336,8 @@ def _s3_transfers(state: dict, root: Path, endpoint_url: str, codec: str, rounds
     from boto3.s3.transfer import TransferConfig
 
     import tiered
-    from tiered.cpu import WindowBuffers
-    from tiered.migrator import migrate_step
+    from tiered.stage.cpu import WindowBuffers
+    from tiered.migrate.migrator import migrate_step
     from tiered.tiers import LocalTier
     from tiered.tiers.s3 import READ_PIECE
 

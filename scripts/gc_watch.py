@@ -3,7 +3,7 @@
 A full collection walks every object of the process holding the GIL (~0.2 s for the scale bench's
 ~320,000 objects), so one that lands inside a save's window of training steps shows as stall,
 whichever thread set it off. A save that keeps many objects alive until its step is written sets
-one off every few saves (GPU run 206: 180 ms on `tiered-writer`, 0.59 s after the fourth save's
+one off every few saves (180 ms on `tiered-writer`, 0.59 s after the fourth save's
 call); scripts/scale.py records, per save, the full collections that ran inside its window, and
 those the engine's threads (named ``tiered-*``) ran.
 """

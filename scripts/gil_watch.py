@@ -2,7 +2,7 @@
 the engine's threads were each time it waited long.
 
 On a slow host a guarded 24 GB save stalled two to three times as long as on a fast one, with the
-same code and GPU (docs/benchmarks.md, session 17, GPU run 212): the training thread's kernel
+same code and GPU (docs/benchmarks.md): the training thread's kernel
 launches must keep pace with its GPU, and the engine's threads (~600 ms of Python per 24 GB save
 there) contend with it for the GIL. A thread holding the GIL in Python gives it up within the
 switch interval (5 ms) when another asks; one inside a C call that does not release it (a wait in
@@ -11,7 +11,7 @@ every `period` (a thread that sleeps and wakes) and records each wake-up `long_m
 the GIL was held by another thread, or no core was free. At each, it notes where every engine
 thread (named ``tiered-*``) was that is not parked in a wait that releases the GIL: the one that
 just let go of it is among them, at or just after the call that held it. So are threads inside a
-C call that releases the GIL but is not a wait by name: on a GPU host (run 215) most places noted
+C call that releases the GIL but is not a wait by name: on a GPU host most places noted
 were `tiered-write_N` threads in `_pwrite_all`, writing to the disk; read the places as where
 to look, not as the holder.
 
@@ -20,14 +20,12 @@ it (the training thread) was, late or not: a thread inside a C call that lets th
 torch operator launching a kernel) shows at the Python line that made the call, so many
 samples on one line while the watcher was on time mean that thread stood in that call, waiting
 for something other than the GIL (a lock of the CUDA driver or of an allocator, a full launch
-queue). A save's overlapped step began its first kernel 44-58 ms after the call in a trace (GPU
-run 295, under the profiler, which costs time of its own): these samples, taken without it, say
+queue). A save's overlapped step began its first kernel 44-58 ms after the call in a trace (under the profiler, which costs time of its own): these samples, taken without it, say
 where the training thread was meanwhile.
 
 scripts/scale.py records it per save with ``bench.py --scale ... --gil-watch``, and the training
-thread's places in the window without a save just before it as well (GPU run 298 sampled the
-save's windows alone: 17-21 of the first 100 ms at `optimizer.zero_grad`, with nothing to
-read that against): it costs a wake-up and a few microseconds of the GIL per `period`, so it is
+thread's places in the window without a save just before it as well (sampling the save's
+windows alone left nothing to read them against): it costs a wake-up and a few microseconds of the GIL per `period`, so it is
 off by default.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Distributed GPU check (issue 5), on a machine with 2+ GPUs: an FSDP2 model and its AdamW state
+# Distributed GPU check, on a machine with 2+ GPUs: an FSDP2 model and its AdamW state
 # saved at 2 ranks (NCCL) through Engine.save, dcp.save and dcp.async_save (tiered.dcp.GpuStager),
 # loaded at 2 and at 1 rank, compared bit for bit with the full state gathered at save time; Engine.save after
 # Engine.reserve (which plans with DCP), then five more Engine.save calls (the cached plan) print how long each

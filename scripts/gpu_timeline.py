@@ -1,8 +1,7 @@
 """Where a save's window spends its GPU time: a torch.profiler trace of one window, reduced to
 what each training step's kernels took and what the save's own GPU work took beside them.
 
-A guarded 24 GB save slowed the step after it by 230-310 ms on one lent H100 (docs/benchmarks.md,
-session 18, run 215) while the GIL was late only ~50 ms in that window. On the GPU, a timeline
+A guarded 24 GB save slowed the step after it by 230-310 ms on one lent H100 (docs/benchmarks.md) while the GIL was late only ~50 ms in that window. On the GPU, a timeline
 tells apart two things the rest can be:
 - the training stream's kernels ran slower (they shared the SMs and memory with the save's
   packing, compression and checksums): a step's busy time grows;

@@ -26,7 +26,7 @@ from helpers import fixture_state  # noqa: E402
 
 def main() -> int:
     out = Path(sys.argv[1]) / "gpu-migrated"
-    if not tiered.runtime.gpu_stack_available():
+    if not tiered.gpu.runtime.gpu_stack_available():
         print("make_gpu_fixture: needs CUDA with nvCOMP and KvikIO", file=sys.stderr)
         return 2
     state = fixture_state()

@@ -8,7 +8,7 @@ model and optimizer, replicas 1.. copies of them (real statistics, not random da
 requested size. With `--train all` (the default) every replica is a model with its optimizer and
 a training step runs every forward and backward, then every optimizer step: the compute and the
 update order of one model whose state is that large. With `--train one` only replica 0 trains
-and the others are static clones (runs 51-53). A GPU memory ballast then leaves `--free-gb`
+and the others are static clones. A GPU memory ballast then leaves `--free-gb`
 free. Side by side, one method after another on the same state and disk:
 
   tiered       Engine.save with the embedded default config (only the tier's path changed);
@@ -18,14 +18,13 @@ free. Side by side, one method after another on the same state and disk:
   tiered_overlap  the same engine with `engine.guard(optimizer)` for every optimizer, then
                reserved again: save() returns at once, the state is read beside the next
                forward and backward, and the optimizer step waits for it; once a walk of the
-               state (reserve's, since session 39, or a call's) took 10 ms, the stager thread
-               walks it (since session 33; before, every call walked it); the stager starts a
-               save's reads when `stage_after_ms="auto"` says (session 39; before, at once)
+               state (reserve's, or a call's) took 10 ms, the stager thread walks it; the stager
+               starts a save's reads when `stage_after_ms="auto"` says
   tiered_overlap_deferred  the same with `guard(optimizer, defer_walk=True)`, the engine reserved
                again once guarded: from the first save on, save() walks nothing, the stager
-               thread walks the state (session 32; in runs 291-292 this was `tiered_overlap`)
+               thread walks the state
   tiered_overlap_walk  the same with `guard(optimizer, defer_walk=False)`: every call walks the
-               state (runs 293 and before: `tiered_overlap`)
+               state
   dcp_pinned   DCP async_save, one FileSystemWriter(cache_staged_state_dict=True) reused
                (TorchTitan's pinned-memory mode; the copy to host happens inside the call)
   dcp_stager   DCP async_save with DefaultStager(StagingOptions(use_async_staging=True)):
@@ -54,7 +53,7 @@ steps, forward + backward + optimizer step, that contains one save, minus the sa
 without a save run just before it, which itself comes after `--lead-in-s` (2 s) of training not
 measured, so that both windows follow training: the GPU's clock follows its recent power, and on
 a power-capped H200 a window right after another ran ~25 ms slower than one after the wait for
-the last save to be durable, GPU run 336; `--lead-in-s 0` measures as runs 337 and before did;
+the last save to be durable; `--lead-in-s 0` leaves the lead-in out;
 the `no_save` row saves nothing and shows what the bench measures then; the stall against the
 median of the method's first baseline windows is kept as `stall_vs_start_ms`),
 next to the save call's own time; time to durable (from the call until
@@ -116,13 +115,12 @@ def run_size(size_gb: float, live: Any, device: str, root: Path, *, free_gb: flo
         out["ceilings"]["disk_together"] = disk_together(root / "ceiling-together", min(state_bytes, 4 << 30))
     # Activations and gradients allocated before the ballast is sized, after the ceilings: these
     # end in `torch.cuda.empty_cache()`, which gave a step's activations back to the driver, so a
-    # ballast sized from what was then free left training too little (GPU run 248: out of memory).
+    # ballast sized from what was then free left training too little (out of memory).
     step_fn()
     sync(device)
     # The ballast is sized after the ceilings, which rank 0 alone measures: what their probes keep
     # on its GPU counts as used, so that every rank is left `free_gb`. With the ballast first, rank
-    # 0 had 1.65 GB less free than rank 1 at its first save, each rank seeing only its own GPU (GPU
-    # run 243); the likeliest holder, not measured, is nvCOMP's cached zstd codec (`gpu_codec_gbps`).
+    # 0 had 1.65 GB less free than rank 1 at its first save, each rank seeing only its own GPU; the likeliest holder, not measured, is nvCOMP's cached zstd codec (`gpu_codec_gbps`).
     ballast = None
     if device == "cuda":
         free = gpu_free(device)
@@ -191,7 +189,7 @@ def disk_bounds(ceilings: dict) -> dict:
 
 
 def targets(out: dict) -> dict:
-    """Issue 14's targets, from this size's rows, for each tiered row (strict, overlapped, and any
+    """The scale targets (docs/benchmarks.md, "Targets"), from this size's rows, for each tiered row (strict, overlapped, and any
     run with a codec pinned: `tiered_overlap:none`): its stall, durable and restore."""
     rows = {r["name"]: r for r in out["rows"]}
     disk = disk_bounds(out["ceilings"])
@@ -240,7 +238,7 @@ def print_size(out: dict) -> None:
           + (f", pinned D2H {c['d2h_pinned_gbps']} GB/s" if "d2h_pinned_gbps" in c else "")
           + (f", GPU ANS encode {ans} GB/s alone on one batch of up to 256 chunks (this state at that rate: "
              f"{1e3 * out['state_gb'] / ans:.0f} ms of the whole GPU; a traced 24 GB save's ANS kernels ran at ~700 "
-             "GB/s, GPU run 295)" if ans else ""))
+             "GB/s)" if ans else ""))
     print("| method | stall ms warm median (range) | first save stall ms | saves 3+: stall ms median (range) | call ms "
           "warm median | durable s warm median (range) | stored GB | GPU taken GB | host taken GB | cold restore s | "
           "bit-exact |")

@@ -35,7 +35,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--lead-in-s", type=float, default=2.0, metavar="S",
                    help="scale mode: train at least S seconds (whole windows, one at least), not measured, "
                         "before each save's window without a save, as its window follows training (the GPU's "
-                        "clock follows its recent power); 0: none, as runs 337 and before")
+                        "clock follows its recent power); 0: none")
     g.add_argument("--settle-ms", type=float, default=0.0, metavar="MS",
                    help="scale mode: before every second save's window (saves 2, 4, ...) wait MS ms after the "
                         "window without a save, the GPU idle: whether a pause just before a save changes what it "
@@ -47,7 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--train", choices=("all", "one"), default="all",
                    help="scale mode: every replica is a model that trains (a step of the compute such a state "
                         "implies: all forwards and backwards, then all optimizer steps), or only replica 0 does "
-                        "and the others are static clones (runs 51-53)")
+                        "and the others are static clones")
     g.add_argument("--shared-dir", default=None, metavar="DIR",
                    help="scale mode: the migration row's shared tier, a directory (wiped; default: under --dir, on "
                         "the local tier's disk, which must then hold three stored copies of the state)")

@@ -279,7 +279,7 @@ class Row:
             return None if not vals else {"median": round(statistics.median(vals), 3), "min": min(vals), "max": max(vals)}
 
         # Saves from the third on, apart: the second save of a run has stalled more than later ones
-        # at 24 GB (GPU runs 165-166: 453-885 ms against 107-524), with codec: auto's measurement
+        # at 24 GB (453-885 ms against 107-524), with codec: auto's measurement
         # beside it and, less, without; the warm median the targets use still counts it.
         extra = [s["extra_steps_ms"] for s in warm if s.get("extra_steps_ms")]
         return {"name": self.name, "note": self.note, "error": self.error, "saves": self.saves,
@@ -346,8 +346,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
     durable (`durable(result)` waits for it and returns when it completed), memory. Each save's
     stall is its window against a window without a save run just before it, after the lead-in
     (`Run.lead_in_s`) (`base_ms`; against the size's first baseline,
-    `base`: `stall_vs_start_ms`): over a run the same steps drifted ~5-10 ms faster each (GPU run
-    225, batch 192: 1,865 -> 1,857 ms), which a baseline taken once put to the later saves'
+    `base`: `stall_vs_start_ms`): over a run the same steps drifted ~5-10 ms faster each (batch 192: 1,865 -> 1,857 ms), which a baseline taken once put to the later saves'
     credit (up to ~40 ms in a window of six). `drop(step)` deletes an older step once the
     next one is durable, outside every timed span (deleting a 24 GB file takes seconds, which
     no method's stall should carry), so one copy at a time is kept on the disk; where the disk
@@ -403,7 +402,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
                     secs, call, result = window.run(start, before_update)
                 except torch.OutOfMemoryError as exc:
                     # The profiler's own GPU memory (CUPTI's buffers) took training's last headroom once
-                    # (GPU run 219: 24 GB, 6 GiB free). The traced save is extra: the row keeps its
+                    # (24 GB, 6 GiB free). The traced save is extra: the row keeps its
                     # measured saves and restores this one, started before the failure (one rank only:
                     # under torchrun the ranks' collectives would part ways).
                     if not (traced and started and world() == 1):
@@ -462,7 +461,7 @@ def restore_check(row: Row, state: dict, prints: list, device: str, drop_caches:
     `probe_root`, first probe the disk's read rate there, every rank at once (`disk_together`,
     2 GiB a rank, less for a smaller state or a nearly full disk): `read_gbps_at_restore`. The
     ceilings taken before the saves are minutes and three saves' worth of writes earlier, and
-    these virtual disks' rates moved by up to 40% within a run (GPU runs 270-271), which left a
+    these virtual disks' rates moved by up to 40% within a run, which left a
     restore bound that the disk itself may no longer reach."""
     if probe_root is not None:  # (at most the state, and a quarter of the disk's free space: a 60 GB
         # state leaves ~13 GB of 64)
@@ -529,8 +528,8 @@ class Run:
     measured (whole windows, one at least), as the save's window comes right after it: the GPU's
     clock follows its recent power. On an H200 (power capped at batch 192) a window right after
     another ran ~25 ms slower than one after the ~1 s the bench waits for a save to be durable,
-    and ~11 ms faster than one after a single 0.5 s window, with nothing saved (GPU runs 336-337).
-    0: none (`--lead-in-s 0`: runs 337 and before)."""
+    and ~11 ms faster than one after a single 0.5 s window, with nothing saved.
+    0: none (`--lead-in-s 0`)."""
     settle_ms: float = 0.0
     """Before every second save's window (saves 2, 4, ...), a pause this long after the window
     without a save (`--settle-ms`): whether a pause just before a save changes its cost."""
@@ -545,7 +544,7 @@ class Run:
         """Saves made, the last one's number: one more after the measured ones, handed the state
         whose fingerprint the restore is checked against. Taking it pauses training just before
         that save's window (0.1-1 s of host syncs), which left the last save the cheapest of every
-        2.4 GB run (GPU runs 306-338), so it is not counted; with `--trace` it is the traced one."""
+        2.4 GB run, so it is not counted; with `--trace` it is the traced one."""
         return self.saves + 1
 
     def lead_in_windows(self, window_s: float) -> int:

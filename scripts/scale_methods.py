@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import tiered
-from tiered.stage_after import stage_after_seconds
+from tiered.stage.stage_after import stage_after_seconds
 from tiered.units import parse_size
 from baselines import dir_bytes
 from scale_measure import (Row, Run, barrier, dist_group, done_at, gpu_free, measure, rank, restore_check, rss, say,
@@ -233,7 +233,7 @@ def no_save_spec(text: str) -> float:
 def run_no_save(row: Row, run: Run, base: float) -> None:
     """No save and no load: the control row. Its stall is what the bench measures with nothing in
     the save's window: from one window to the next the GPU's clock moves with its recent power
-    (GPU run 336: +25 ms at 2.4 GB without the lead-in window). It counts as durable S seconds
+    (+25 ms at 2.4 GB without the lead-in window). It counts as durable S seconds
     after each save's point, resting the GPU as long as a save's wait for durable would."""
     rest = no_save_spec(run.load)
 
@@ -409,8 +409,8 @@ def row_spec(name: str) -> tuple[str, str, float | None, int | None, float | str
     `stage_after_ms=250`, +0 none; without +AFTER, or +auto, the default "auto"). ValueError
     naming what is wrong. Compare rows of different budgets in separate processes: an engine
     made after another closed finds less GPU memory free than the first did (the first's buffers
-    stay in torch's cache) and sizes its slab from that (GPU run 309); with the cache emptied in
-    between, the next row's training ran out of GPU memory before its first save (run 310; not
+    stay in torch's cache) and sizes its slab from that; with the cache emptied in
+    between, the next row's training ran out of GPU memory before its first save (not
     investigated)."""
     spec, plus, after_text = name.partition("+")
     spec, slash, pack_text = spec.partition("/")

@@ -1,4 +1,4 @@
-"""The scale bench's `migration` row (issue 15, item 4, at issue 14's scale): training beside the
+"""The scale bench's `migration` row: training beside the
 engine's migrator while a step of the scale state moves down to a shared tier, against the same
 training with the migrator idle.
 
@@ -218,7 +218,7 @@ def _measure(engine: Any, run: Run, state_bytes: int, mode: str, roots: tuple[Pa
         timed_window([2, 3], "migrating")
         if on_shared(2):
             drop(2)  # (at once: its copies and step 3's would not fit a 24 GB state's disk otherwise)
-    # Each step's migration as the migrator timed it (its records: tiered.records), from its start
+    # Each step's migration as the migrator timed it (its records: tiered.observe.records), from its start
     hops = {r["step"]: r for r in engine.stats() if r.get("kind") == "migrate" and r.get("dst") == "shared"}
     migrate_s = {s: round(hops[s]["seconds"], 2) for s in (1, 2, 3) if s in hops}
     manifest, index = engine.read_index(3, tier="shared")

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from helpers import new_bucket, running_s3
-from tiered.runtime import gpu_stack_available
+from tiered.gpu.runtime import gpu_stack_available
 
 
 HAS_GPU = gpu_stack_available()

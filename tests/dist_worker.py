@@ -108,18 +108,18 @@ def full_of(state) -> dict:
 
 
 def count_decoded_chunks() -> dict[str, int]:
-    """Chunks this rank decodes, by tensor name (wraps tiered.restore.decode_rank)."""
-    import tiered.restore
+    """Chunks this rank decodes, by tensor name (wraps tiered.restore.pipeline.decode_rank)."""
+    import tiered.restore.pipeline
 
     counts: dict[str, int] = {}
-    real = tiered.restore.decode_rank
+    real = tiered.restore.pipeline.decode_rank
 
     def counting(step, index, *a, **k):
         for rec in index.tensors:
             counts[rec.name] = counts.get(rec.name, 0) + len(rec.chunks)
         return real(step, index, *a, **k)
 
-    tiered.restore.decode_rank = counting
+    tiered.restore.pipeline.decode_rank = counting
     return counts
 
 
@@ -143,7 +143,7 @@ def warm_saves(engine, state, step: int, repeats: int, cuda: bool) -> None:
     work the current stream waits for) and the DCP planning part of it. On CUDA, one more save is
     called with ~2 s of work queued on the training stream (a loop whose host runs ahead of its
     GPU): it must return with that work still queued, whatever the default group's backend (the
-    planning's all-reduce runs on the CPU: tiered.distributed.cpu_group)."""
+    planning's all-reduce runs on the CPU: tiered.distributed.saver.cpu_group)."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000_000)  # (GPU cycles: ~2 s on an H100)
@@ -272,7 +272,7 @@ LONG_NAME = "run-a, resumed with a longer name " * 40
 
 
 def save_while_changing(engine, mesh, step: int, reserve: bool) -> None:
-    """Saves that reuse the last plan (tiered.dcp_reuse) save each save's values; a state that
+    """Saves that reuse the last plan (tiered.distributed.reuse) save each save's values; a state that
     changes structure is planned again by DCP. Every step is restored and checked. `reserve`:
     `engine.reserve(state)` first, which plans, so that the first save does not."""
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -339,7 +339,7 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool,
     the guard's "auto"."""
     long_wait = stage_after_ms != "auto" and stage_after_ms > 0
     defers = own_group and not auto
-    import tiered.save
+    import tiered.save.pipeline
 
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
@@ -347,7 +347,7 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool,
     buf = torch.zeros(17, device=device)
     opt = torch.optim.AdamW(params.values(), lr=0.01)
     if auto:
-        tiered.save.DEFER_AFTER_MS = 0.0
+        tiered.save.pipeline.DEFER_AFTER_MS = 0.0
     engine.guard(opt, defer_walk=None if auto else True, stage_after_ms=stage_after_ms)
 
     epoch = [0]
@@ -413,7 +413,7 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="the default group's backend (default: gloo on CPU, "
                     "cpu:gloo,cuda:nccl with --fsdp)")
     ap.add_argument("--as-nccl", action="store_true", help="the engine takes the default group for one without a "
-                    "CPU backend (tiered.distributed.default_backend says nccl): it must plan over a gloo group "
+                    "CPU backend (tiered.distributed.saver.default_backend says nccl): it must plan over a gloo group "
                     "of its own, made once")
     ap.add_argument("--auto", action="store_true", help="save-guarded: the default guard (defer_walk=None)")
     ap.add_argument("--cuda", action="store_true", help="save-guarded: the state on each rank's GPU (NCCL)")
@@ -430,9 +430,9 @@ def main() -> None:
     mesh = None if cuda else init_device_mesh("cpu", (dist.get_world_size(),))
     groups = count_new_groups()
     if args.as_nccl:
-        import tiered.distributed
+        import tiered.distributed.saver
 
-        tiered.distributed.default_backend = lambda: "nccl"
+        tiered.distributed.saver.default_backend = lambda: "nccl"
     engine = Engine.from_config(args.config)
     try:
         state = None if args.mode == "save-guarded" else fsdp_state(args.mode == "load", args.width, args.layers) \

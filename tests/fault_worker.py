@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import tiered
-from tiered import migrator
+from tiered.migrate import migrator
 
 
 def state(step: int) -> dict:

@@ -13,10 +13,10 @@ import torch
 
 import tiered
 from tiered.config import ZstdSettings
-from tiered.gpu_recode import GpuRecoder
-from tiered import tree
-from tiered.plan import make_plan
-from tiered.probe import Sample, measure, sample_positions, tier_bandwidth
+from tiered.gpu.recode import GpuRecoder
+from tiered.format import tree
+from tiered.stage.plan import make_plan
+from tiered.observe.probe import Sample, measure, sample_positions, tier_bandwidth
 from conftest import HAS_GPU
 from helpers import assert_same, trained_model
 
@@ -85,11 +85,11 @@ def test_a_probe_a_write_cache_fooled_is_capped_by_the_first_large_save(tmp_path
     """A 64 MiB probe can land in a write cache; a save of OBSERVE_BYTES or more shows the rate
     the disk keeps, and the policy takes the lower one (here the threshold is lowered to the
     test's size, and the tier made slow to write)."""
-    import tiered.probe as probe
+    import tiered.save.fast_codec as fast_codec
     from tiered.tiers.local import LocalTier
 
     monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(probe, "OBSERVE_BYTES", 1 << 20)
+    monkeypatch.setattr(fast_codec, "OBSERVE_BYTES", 1 << 20)
     monkeypatch.setattr(LocalTier, "probe_bandwidth", lambda self, n: 100e9)  # what the cache showed
     real_commit = LocalTier.commit
 
@@ -130,11 +130,11 @@ def test_reserve_decides_codec_auto_before_the_first_save(tmp_path, bandwidth, e
 def test_after_reserve_a_slow_first_save_still_caps_a_probe_a_write_cache_fooled(tmp_path, monkeypatch, caplog):
     """The probe read a write cache (100 GB/s): `reserve` chooses to store as is; the first save
     of OBSERVE_BYTES or more writes at a few MB/s, and the same sample decides again: zstd."""
-    import tiered.probe as probe
+    import tiered.save.fast_codec as fast_codec
     from tiered.tiers.local import LocalTier
 
     monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(probe, "OBSERVE_BYTES", 1 << 20)
+    monkeypatch.setattr(fast_codec, "OBSERVE_BYTES", 1 << 20)
     monkeypatch.setattr(LocalTier, "probe_bandwidth", lambda self, n: 100e9)
     real_commit = LocalTier.commit
 
@@ -144,8 +144,8 @@ def test_after_reserve_a_slow_first_save_still_caps_a_probe_a_write_cache_fooled
 
     monkeypatch.setattr(LocalTier, "commit", slow_commit)
     encoded: list[str] = []
-    real_measure = probe.measure
-    monkeypatch.setattr(probe, "measure", lambda sample, names, **kw: encoded.append("x") or real_measure(sample, names, **kw))
+    real_measure = fast_codec.measure
+    monkeypatch.setattr(fast_codec, "measure", lambda sample, names, **kw: encoded.append("x") or real_measure(sample, names, **kw))
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme")}]}
     state = {"w": torch.randn(2_000_000), "b": torch.randn(300_000).to(torch.bfloat16)}
     with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tiered import Engine
-from tiered.staging import RowRing
+from tiered.stage.pools import RowRing
 from tiered.tiers.local import LocalDataWriter
 
 
@@ -83,7 +83,7 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
     answered no request from the stall until all saves were durable, while the migrator kept
     trying. Once S3 answers again, the migrator's retries bring every step down."""
     from s3proxy import FaultProxy
-    from tiered import migrator
+    from tiered.migrate import migrator
 
     monkeypatch.setattr(migrator, "RETRY_FIRST_S", 0.5)
     proxy = FaultProxy(s3_server.endpoint_url)
@@ -129,7 +129,7 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
 def test_gpu_memory_does_not_grow_with_a_backlog(tmp_path, monkeypatch):
     """GPU saves issued faster than a slowed disk drains: the engine's GPU memory (slab, pack
     buffer, write staging, codec scratch) is what one save needs, however long the backlog."""
-    from tiered.gpu import write_staging_bytes
+    from tiered.gpu.device import write_staging_bytes
 
     real = LocalDataWriter.write_device
 

@@ -1,4 +1,4 @@
-"""The scale bench's `migration` row (scripts/scale_migration.py; issue 15, item 4 at scale):
+"""The scale bench's `migration` row (scripts/scale_migration.py):
 training windows while a step migrates to a shared tier against windows with the migrator idle,
 a save's stall in each, and each step's time to the shared tier, run end to end on the CPU."""
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import tiered
-from tiered import budgets
+from tiered.stage import budgets
 from tiered.config import ConfigError, load_config
-from tiered.staging import HostPool, RowRing
+from tiered.stage.pools import HostPool, RowRing
 from tiered.tiers.local import IO_TASK, LocalDataWriter
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -111,8 +111,8 @@ def test_ring_hands_out_rows_as_the_limit_grows():
 def test_a_drained_wave_takes_its_runs_pages_as_one_range_so_it_never_waits_holding_some():
     """A wave drained in several runs takes one range of host pages for all of them before any
     (`WavePages`). Taken run by run, the first run could land mid-ring and the next wait forever
-    for a gap that long, with nothing left to free it: the hang of GPU runs 219, 234, 241, 250."""
-    from tiered.staging import WavePages
+    for a gap that long, with nothing left to free it: a hang seen on GPUs."""
+    from tiered.stage.pools import WavePages
 
     ring = RowRing(10)
     older = ring.acquire(3)  # (an older wave's pages, still being written: rows 0..2)
@@ -287,7 +287,7 @@ def test_write_host_async_failure_is_raised_by_close_and_releases(tmp_path):
 
 def test_queued_host_writes_hold_no_object_per_piece():
     """A large save drains pieces faster than the disk takes them; queued, they must not be
-    objects the collector tracks one by one (futures, locks: GPU run 105)."""
+    objects the collector tracks one by one (futures, locks)."""
     import gc
     import threading
 
@@ -325,7 +325,7 @@ def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_pa
     10 rows reserve() lays out for; a wave cut at those rows is laid out again: test_misc.)"""
     from nvidia import nvcomp
 
-    from tiered.gpu_layout import Layout
+    from tiered.gpu.layout import Layout
 
     built, made = [], []
     real = Layout.build.__func__
@@ -397,7 +397,7 @@ def test_state_larger_than_the_slab_drains_through_pinned_memory(tmp_path, monke
     """A 512 MiB state through a 64 MiB slab: waves drain through a 96 MiB pinned pool, written
     from there in large pieces; bit-exact, and the pool is pinned (not pageable). Also without
     the Triton kernel (where Triton is missing): torch checksums and gathers."""
-    from tiered import gpu_checksum
+    from tiered.gpu import pack as gpu_checksum
 
     if not fused:
         monkeypatch.setattr(gpu_checksum, "available", lambda: False)
@@ -425,12 +425,12 @@ def test_reserve_takes_a_state_or_a_size(tmp_path):
 
 
 def test_reserve_plans_the_state_so_its_first_save_does_not(tmp_path, monkeypatch):
-    import tiered.plan
+    import tiered.stage.plan
     state = {"w": torch.randn(1000), "tied": None, "opt": {"m": torch.randn(10), "step": 3}}
     state["tied"] = state["w"]
     made = []
-    real = tiered.plan.make_plan
-    monkeypatch.setattr(tiered.plan, "make_plan", lambda *a, **k: made.append(1) or real(*a, **k))
+    real = tiered.stage.plan.make_plan
+    monkeypatch.setattr(tiered.stage.plan, "make_plan", lambda *a, **k: made.append(1) or real(*a, **k))
     with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
         engine.reserve(state)
         assert len(made) == 1
@@ -452,7 +452,7 @@ def test_host_pool_maps_what_the_kernel_grants(tmp_path):
     script = textwrap.dedent("""
         import logging, resource, sys
         import torch  # (mapped before the limit)
-        from tiered.staging import HostPool
+        from tiered.stage.pools import HostPool
         logging.basicConfig(level=logging.WARNING)
         with open("/proc/self/status") as f:
             size = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))

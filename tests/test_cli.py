@@ -142,7 +142,7 @@ def test_verify_reports_missing_files_and_bad_usage(tmp_path, capsys):
 
 
 def test_migration_lock_admits_one_migrator(tmp_path, capsys):
-    from tiered.migrator import MigrationLock
+    from tiered.migrate.migrator import MigrationLock
 
     config = write_config(tmp_path)
     save_steps(config, [1])
@@ -166,7 +166,7 @@ def test_migration_lock_admits_one_migrator(tmp_path, capsys):
 ])
 def test_help_is_useful_on_its_own(argv, expect):
     module = "restore_main" if argv[0] == "tiered-restore" else "main"
-    out = subprocess.run([sys.executable, "-c", f"import sys, tiered.cli; sys.exit(tiered.cli.{module}())"]
+    out = subprocess.run([sys.executable, "-c", f"import sys, tiered.cli; sys.exit(tiered.cli.commands.{module}())"]
                          + argv[1:], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for phrase in expect:

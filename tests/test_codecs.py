@@ -10,7 +10,7 @@ import torch
 
 from tiered.codecs import codec_names, get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.format import CodecSpec
+from tiered.format.manifest import CodecSpec
 
 CHUNK = 1 << 20
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
@@ -134,7 +134,7 @@ def test_zstd_frames_are_standard():
 def test_zstd_shuffles_by_the_element_size_of_every_stored_dtype():
     """The zstd description's byte shuffle is the dtype's element size (as the format has always
     written it), for every dtype the format stores; asked per tensor, it makes no tensor."""
-    from tiered.format import DTYPES
+    from tiered.format.manifest import DTYPES
 
     for name, dtype in DTYPES.items():
         assert get_codec_class("zstd").spec_for(dtype).params["shuffle"] == \
@@ -185,7 +185,7 @@ def test_zstd_cpu_and_gpu_read_each_others_frames(dtype):
 def test_gpu_compression_does_not_wait_for_the_default_stream():
     """A save compresses on its own stream beside training, whose kernels queue on the default
     stream: no nvCOMP call may wait for them (its own pinned allocations did, so a guarded save's
-    drain stood still during the forward and backward; docs/benchmarks.md, runs 83-86). Ordering,
+    drain stood still during the forward and backward; docs/benchmarks.md). Ordering,
     not timing: the round trip is over while a long kernel still runs on the default stream."""
     import threading
 
@@ -227,10 +227,10 @@ def _staged(state: dict, emit):
     """Stage `state` (GPU tensors) with ans on a GpuDevice of its own (64 KiB chunks, a pack buffer
     of four, a 64 MiB slab), handing each wave's segment to `emit`; returns the device."""
     from tiered.config import Budgets
-    from tiered.gpu import GpuDevice
-    from tiered.plan import make_plan
-    from tiered.staging import HostPool
-    from tiered.tree import flatten
+    from tiered.gpu.device import GpuDevice
+    from tiered.stage.plan import make_plan
+    from tiered.stage.pools import HostPool
+    from tiered.format.tree import flatten
 
     dev = GpuDevice(torch.cuda.current_device(), _CS, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * _CS),
                     ZstdSettings(), HostPool(16 << 20))
@@ -243,8 +243,8 @@ def _staged(state: dict, emit):
 @pytest.mark.gpu
 def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read():
     """nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: a
-    wave queued behind an unread one would make that read wait for it too (tiered.gpu_waves.WaveSizes)."""
-    from tiered.gpu_waves import ENCODE_STREAMS
+    wave queued behind an unread one would make that read wait for it too (tiered.gpu.waves.WaveSizes)."""
+    from tiered.gpu.waves import ENCODE_STREAMS
 
     waves = 3 * ENCODE_STREAMS
     state = {"w": torch.randn(waves * _CS, device="cuda"),

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from tiered import Engine
 from tiered.dcp import SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
-from tiered.dcp_commit import DCP_METADATA, metadata_from_json
+from tiered.distributed.commit import DCP_METADATA, metadata_from_json
 from tiered.errors import FormatError
 
 
@@ -133,11 +133,11 @@ def test_tampered_metadata_is_caught_by_the_manifest(engine, caplog):
 
 
 def test_load_decodes_whole_tensors_in_place_and_the_rest_through_bounded_buffers(tier_config, device, monkeypatch):
-    """A rank's state must not be decoded into a second copy of itself (GPU run 89: a 24 GB state
+    """A rank's state must not be decoded into a second copy of itself (a 24 GB state
     per rank ran out of GPU memory so): whole tensors with a contiguous destination of their dtype
     are decoded into it; the others into buffers of at most SPAN_BYTES per decode call."""
-    import tiered.dcp_storage as storage
-    from tiered.restore import Restorer
+    import tiered.distributed.storage as storage
+    from tiered.restore.pipeline import Restorer
 
     g = torch.Generator().manual_seed(3)
     state = {f"t{i}": torch.randn(128, 96, generator=g).to(device) for i in range(6)}

@@ -1,4 +1,4 @@
-"""A reused DCP plan's items (tiered.dcp_reuse), without a process group: DCP's planner runs in one
+"""A reused DCP plan's items (tiered.distributed.reuse), without a process group: DCP's planner runs in one
 process here, as it plans each rank's part under torchrun (tests/test_distributed.py saves and
 loads through it at 2 ranks)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from tiered.dcp_reuse import PlanReuse
-from tiered.dcp_storage import StepWriter
+from tiered.distributed.reuse import PlanReuse
+from tiered.distributed.storage import StepWriter
 
 
 def _planned(state: dict):

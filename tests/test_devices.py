@@ -2,7 +2,7 @@
 
 A new thread's current CUDA device is GPU 0. Under torchrun on a node of several GPUs, a rank whose
 engine thread made a CUDA call outside a device scope opened a context on GPU 0: about 0.5 GB of
-another rank's nearly full GPU (GPU run 89).
+another rank's nearly full GPU.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def test_threads_told_a_gpu_make_it_current_first(monkeypatch, tmp_path):
     on: each makes it current before its first CUDA call (a thread's own is GPU 0). The
     migrator's thread and pool are made so. (On a 2-GPU machine, test_an_engine_on_gpu_1_...
     checks the contexts themselves.)"""
-    from tiered import migrator
-    from tiered.catalog import TierCatalog
+    from tiered.migrate import migrator
+    from tiered.tiers.catalog import TierCatalog
     from tiered.config import load_config
 
     made: list = []
@@ -70,10 +70,10 @@ def test_threads_told_a_gpu_make_it_current_first(monkeypatch, tmp_path):
 
 def test_the_migrator_process_sees_the_engines_gpu_alone():
     """The child decodes on the engine's GPU and sees no other: a library that opens a context on
-    GPU 0 whatever GPU it works on (nvCOMP 6.0: GPU runs 238-240) cannot take another rank's memory
+    GPU 0 whatever GPU it works on (nvCOMP 6.0 does) cannot take another rank's memory
     there. The engine's index is among the devices the engine sees, so an inherited
     CUDA_VISIBLE_DEVICES is indexed, never replaced by a physical ordinal."""
-    from tiered.migration_process import child_env
+    from tiered.migrate.process import child_env
 
     base = {"PATH": "/bin"}
     assert child_env(base, None) == base
@@ -162,8 +162,8 @@ def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0_but_nvcomps_which_it_repor
     """Saves (guarded and strict), migration through the child process (ANS decoded on the GPU),
     a restore. The migrator process holds a context on GPU 1 alone. The engine's own process holds
     one on GPU 0 only where nvCOMP opened it (nvCOMP 6.0 does, on its first call, whatever GPU it
-    is told: GPU runs 238-240; scripts/context_probe.py), and then the engine's log says so. With
-    `none` (the copy engines, tiered.host_copy: no nvCOMP call; the pages given back on the host
+    is told), and then the engine's log says so. With
+    `none` (the copy engines, tiered.stage.host_copy: no nvCOMP call; the pages given back on the host
     writes' own threads) the engine's process holds none on GPU 0 at all."""
     import json
 
@@ -194,8 +194,7 @@ def test_an_engine_on_gpu_1_opens_no_context_on_gpu_0_but_nvcomps_which_it_repor
 
 
 def test_a_call_that_opens_gpu_0s_context_from_another_gpu_is_logged_once(monkeypatch, caplog):
-    """nvCOMP 6.0 opens a context on GPU 0 on its first call, whatever GPU it works on (GPU runs
-    238-240): the engine's first bound is watched, and where GPU 0's primary context appeared
+    """nvCOMP 6.0 opens a context on GPU 0 on its first call, whatever GPU it works on: the engine's first bound is watched, and where GPU 0's primary context appeared
     during it, on a process working on another GPU, a warning names the remedy, once."""
     import logging
 

@@ -147,7 +147,7 @@ def test_the_commit_thread_sets_off_no_full_collection(tmp_path):
 
 
 def test_the_cpu_group_is_the_default_one_where_it_has_gloo_and_a_failure_to_make_one_names_the_remedy(monkeypatch):
-    from tiered import distributed
+    from tiered.distributed import saver as distributed
     from tiered.errors import TieredError
 
     made = []

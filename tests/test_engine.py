@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiered
-from tiered.format import RankIndex
+from tiered.format.manifest import RankIndex
 from helpers import assert_same, clone_state, mixed_state, trained_model, zeros_like_state
 
 
@@ -315,7 +315,7 @@ def test_a_wave_the_host_budget_cannot_hold_fails_its_save_and_names_the_budget(
 def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypatch):
     """A CPU save's records of its chunks (one object per chunk, kept from save to save) are made
     by `reserve()`, not in the first save's call."""
-    from tiered import cpu
+    from tiered.stage import cpu
 
     made = []
     real = cpu.chunk_refs
@@ -335,7 +335,7 @@ def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypa
 def test_a_save_keeps_no_object_per_tensor_alive_for_the_collector(tier_config):
     """What a save keeps alive until its step is written, Python's collector moves to its oldest
     generation, and enough of it sets off a full pass that holds the GIL beside training (180-224
-    ms every four or five saves at 24 GB: GPU runs 206 and 210). Saves of one structure (new
+    ms every four or five saves at 24 GB on an H100). Saves of one structure (new
     dicts each time, as state_dict() makes) leave no tracked object per tensor alive after the
     call: not the skeleton, the chunk records, nor the encoded chunks."""
     import gc
@@ -459,7 +459,7 @@ def test_handle_reports_sizes(tier_config):
 
 
 def test_staging_failure_is_raised_once_by_save(tier_config, monkeypatch):
-    from tiered import cpu
+    from tiered.stage import cpu
 
     real = cpu.snapshot
 
@@ -498,7 +498,7 @@ def test_thousands_of_small_cpu_tensors_get_each_chunks_own_checksum(tmp_path):
     their checksums summed together (`cpu.encode_segment`, `checksum.wsum64_each`): each chunk's
     recorded checksum is wsum64 of its stored bytes as the data file holds them, and the state
     comes back bit-exact."""
-    from tiered.checksum import wsum64
+    from tiered.format.checksum import wsum64
 
     state = {"steps": {f"s{i}": torch.tensor(float(i)) for i in range(600)},
              "odd": {f"b{n}": torch.arange(n, dtype=torch.int8) for n in range(1, 12)},

@@ -112,10 +112,10 @@ def test_gpu_only_codec_without_a_gpu_reads_those_tensors_from_a_portable_tier(t
     zstd tensor's codec in the local index (its bytes are never decoded here)."""
     import dataclasses
 
-    from tiered import checksum
-    from tiered.format import CodecSpec, read_step
+    from tiered.format import checksum
+    from tiered.format.manifest import CodecSpec, read_step
 
-    if tiered.runtime.gpu_stack_available():
+    if tiered.gpu.runtime.gpu_stack_available():
         pytest.skip("GPU codecs are present here: ans decodes on the GPU")
     cfg, state, _ = saved(tmp_path, "cpu")
     step_dir = tmp_path / "local" / "step_000000000005"

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tiered
-from tiered.format import MANIFEST_VERSION, Manifest, RankIndex, seal_manifest
+from tiered.format.manifest import MANIFEST_VERSION, Manifest, RankIndex, seal_manifest
 from tiered.errors import FormatError
 
 
@@ -119,7 +119,7 @@ def test_skeleton_numpy_scalars_must_be_plain(saved, tmp_path, tier_config):
     index["skeleton"]["$dict"][2][1] = {"$np": "V100000000", "v": 1}
     raw = json.dumps(index).encode()
     (d / "rank_00000.index.json").write_bytes(raw)
-    from tiered.checksum import wsum64
+    from tiered.format.checksum import wsum64
 
     manifest["ranks"][0].update(index_bytes=len(raw), index_checksum=f"{wsum64(raw):016x}")
     (d / "MANIFEST.json").write_bytes(seal_manifest(manifest))
@@ -176,10 +176,10 @@ def test_an_index_is_the_json_of_its_records_and_its_chunks_are_no_objects_for_t
     """to_json writes chunk tables as text: the same JSON as json.dumps of the records. A tensor's
     chunks are one table of machine integers, not an object per chunk: a save of a large state
     places tens of thousands, and as objects they set off full collections of the training
-    process, which hold every thread (GPU run 103)."""
+    process, which hold every thread."""
     import gc
 
-    from tiered.format import ChunkRecord, ChunkTable
+    from tiered.format.manifest import ChunkRecord, ChunkTable
 
     _, index, _ = saved
     doc = dict(index, tensors=[dict(t, name=f'{t["name"]}"\\é') for t in index["tensors"]])
@@ -207,7 +207,7 @@ def test_an_index_is_the_json_of_its_records_and_its_chunks_are_no_objects_for_t
 def test_packed_chunk_rows_make_the_same_json_as_their_records(n):
     """A save's writer formats packed rows a block at a time (`ChunkTable.packed_json`): the text
     is the records' JSON, checksums over 2**63 included."""
-    from tiered.format import ChunkRecord, ChunkTable
+    from tiered.format.manifest import ChunkRecord, ChunkTable
 
     records = [ChunkRecord(j * 4096, 4000 + j, 1 << 20, (1 << 64) - 1 - 7 * j) for j in range(n)]
     rows = bytearray(b"".join(ChunkTable.ROW.pack(*r) for r in records))
@@ -219,10 +219,10 @@ def test_packed_chunk_rows_make_the_same_json_as_their_records(n):
 def test_a_save_writes_its_index_with_no_record_object_per_tensor(tmp_path, monkeypatch):
     """A save's writer makes the index text from its plans and packed rows (`format.index_json`):
     records made per tensor lived long enough to be promoted into the collector's oldest
-    generation and set off full passes over the training process every few saves (GPU run 153).
+    generation and set off full passes over the training process every few saves.
     The index reads back as the same records."""
     import tiered
-    from tiered import chunks, format as fmt
+    from tiered.format import chunks, manifest as fmt
 
     made = []
 
@@ -252,7 +252,7 @@ def test_a_save_writes_its_index_with_no_record_object_per_tensor(tmp_path, monk
 def test_an_index_is_parsed_with_the_collector_paused(tmp_path):
     """Parsing an index makes thousands of objects at once; with the collector on they set off
     collections, and in a process of many objects a full one (76-93 ms every other migration of
-    2,000 tensors: docs/benchmarks.md, session 17). It runs paused, as a save's walk does."""
+    2,000 tensors: docs/benchmarks.md). It runs paused, as a save's walk does."""
     import gc
 
     state = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}

@@ -1,4 +1,4 @@
-"""The copy-engine path (tiered.host_copy): GPU tensors stored as they are go straight into host
+"""The copy-engine path (tiered.stage.host_copy): GPU tensors stored as they are go straight into host
 pages laid out as the data file lays them out, and are checksummed and written from there.
 
 The layout and the staging run on the CPU here (CPU tensors, no stream); the GPU tests save
@@ -16,12 +16,12 @@ import torch
 import tiered
 from helpers import assert_same, mixed_state, zeros_like_state
 from tiered import threads
-from tiered.checksum import wsum64
-from tiered.chunks import ALIGNMENT
-from tiered.format import CodecSpec
-from tiered.host_copy import HostLayout, stage, write_segment
-from tiered.plan import TensorPlan
-from tiered.staging import HostPool
+from tiered.format.checksum import wsum64
+from tiered.format.chunks import ALIGNMENT
+from tiered.format.manifest import CodecSpec
+from tiered.stage.host_copy import HostLayout, stage, write_segment
+from tiered.stage.plan import TensorPlan
+from tiered.stage.pools import HostPool
 from tiered.tiers.local import LocalTier
 from tiered.units import round_up
 

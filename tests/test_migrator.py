@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tiered
-from tiered.migrator import GpuRecoder, migrate_step
+from tiered.migrate.migrator import GpuRecoder, migrate_step
 from helpers import assert_same, mixed_state, trained_model
 
 
@@ -61,7 +61,7 @@ def test_copy_down_and_restore_from_each_tier(tmp_path, s3_server, s3_bucket, co
 def test_a_copy_from_s3_fetches_the_data_while_the_index_is_read(tmp_path, s3_server, s3_bucket, monkeypatch):
     import threading
 
-    from tiered.format import RankIndex
+    from tiered.format.manifest import RankIndex
     from tiered.tiers import LocalTier
 
     state = mixed_state("cpu", seed=3)
@@ -123,7 +123,7 @@ def test_copied_index_follows_a_target_that_falls_back_to_buffered_writes(tmp_pa
     import errno
     import threading
 
-    from tiered.format import RankIndex
+    from tiered.format.manifest import RankIndex
 
     state = {"w": torch.randn(2_000_000), "b": torch.randn(5)}
     with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
@@ -171,7 +171,7 @@ def test_migration_killed_mid_copy_restarts_to_identical_files(tmp_path, s3_serv
     # A migrator process that dies (SIGKILL) after uploading part of the data.
     script = textwrap.dedent(f"""
         import os, signal, tiered
-        from tiered.migrator import migrate_step
+        from tiered.migrate.migrator import migrate_step
         from tiered.tiers import s3 as s3mod
         engine = tiered.Engine.from_config({cfg!r})
         real, n = s3mod.S3DataWriter._submit, [0]
@@ -258,7 +258,7 @@ def test_unknown_tier_name(tmp_path):
 
 @pytest.mark.gpu
 def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
-    from tiered.gpu import GpuDevice
+    from tiered.gpu.device import GpuDevice
 
     model, opt = trained_model("cuda", steps=5)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -278,7 +278,7 @@ def test_ans_recompressed_to_zstd_restores_without_gpu_codecs(tmp_path):
 def test_a_copy_to_a_codec_only_a_gpu_encodes_restores_exactly(tmp_path):
     """zstd chunks (decoded on the CPU) to ans, which only a GPU encodes: copy_rank.tensor_chunks,
     a window of chunks encoded on the GPU at a time; restored bit-exact."""
-    from tiered.gpu import GpuDevice
+    from tiered.gpu.device import GpuDevice
     from tiered.tiers import LocalTier
 
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -301,7 +301,7 @@ def test_many_small_ans_tensors_of_mixed_dtypes_recompress_in_windows_across_ten
     """Chunks of many tensors decode in one batched call per window (copy_rank.gpu_decoded_chunks):
     odd-sized tensors of 2-, 4- and 8-byte dtypes side by side, a window boundary inside a
     tensor of several chunks; restored bit-exact from the zstd copy on the CPU."""
-    from tiered.gpu import GpuDevice
+    from tiered.gpu.device import GpuDevice
 
     g = torch.Generator(device="cuda").manual_seed(5)
     state = {f"t{i}": torch.randn(n, generator=g, device="cuda").to(dt)
@@ -322,13 +322,13 @@ def test_many_small_ans_tensors_of_mixed_dtypes_recompress_in_windows_across_ten
 
 
 def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
-    from tiered.format import CodecSpec, TensorRecord
-    from tiered.copy_rank import gpu_decoded_chunks, tensor_chunks
+    from tiered.format.manifest import CodecSpec, TensorRecord
+    from tiered.migrate.copy_rank import gpu_decoded_chunks, tensor_chunks
     from tiered.config import ZstdSettings
 
     rec = TensorRecord(index=0, name="w", dtype="float32", shape=(10,), device="cuda:0", is_numpy=False,
                        codec=CodecSpec.of("ans", data_type="<f4"),
-                       chunks=(tiered.format.ChunkRecord(0, 30, 40, 0),))
+                       chunks=(tiered.format.manifest.ChunkRecord(0, 30, 40, 0),))
 
     class Reader:
         path = "/x/rank_00000.data"
@@ -368,7 +368,7 @@ def test_engine_migrates_in_the_background_and_resumes(tmp_path, s3_server, s3_b
 
 
 def test_migration_failure_keeps_the_step_is_reported_and_retried(tmp_path, monkeypatch, caplog):
-    from tiered import migrator
+    from tiered.migrate import migrator
     from tiered.tiers import posix
 
     works = posix.PosixTier.open_data_writer
@@ -395,7 +395,7 @@ def test_migration_failure_keeps_the_step_is_reported_and_retried(tmp_path, monk
 
 
 def test_retry_delays_double_up_to_the_cap():
-    from tiered.migrator import RETRY_FIRST_S, RETRY_MAX_S, retry_delay
+    from tiered.migrate.migrator import RETRY_FIRST_S, RETRY_MAX_S, retry_delay
 
     delays = [retry_delay(n) for n in range(1, 12)]
     assert delays[0] == RETRY_FIRST_S and delays[1] == 2 * RETRY_FIRST_S and delays[-1] == RETRY_MAX_S
@@ -512,7 +512,7 @@ def test_wait_migrated_covers_every_step_saved_before_it(tmp_path, monkeypatch):
     # The step is queued for migration before its save is reported persisted: wait_migrated()
     # right after a save must never return while that step is still missing below, even when
     # queueing is slow (a slow submit widens the window the old order left open).
-    from tiered.migrator import BackgroundMigrator
+    from tiered.migrate.migrator import BackgroundMigrator
 
     real = BackgroundMigrator.submit
     monkeypatch.setattr(BackgroundMigrator, "submit", lambda self, step: (time.sleep(0.1), real(self, step)))
@@ -598,8 +598,8 @@ def test_recompressed_chunks_are_gathered_padded_and_written_bit_exact(tmp_path)
 def test_a_copy_reads_small_windows_first_then_doubles_them(tmp_path):
     """A migration's first bytes reach the target after one small read, not after 64 MiB read and
     verified: windows start at FIRST_WINDOW_BYTES and double up to WINDOW_BYTES."""
-    from tiered.cpu import FIRST_WINDOW_BYTES, WINDOW_BYTES, chunk_windows, file_order
-    from tiered.format import present_ranks
+    from tiered.stage.cpu import FIRST_WINDOW_BYTES, WINDOW_BYTES, chunk_windows, file_order
+    from tiered.format.manifest import present_ranks
 
     mib = 1 << 20
     state = {f"t{i}": torch.arange(i, i + 6 * mib // 4, dtype=torch.float32) for i in range(40)}  # 240 MiB
@@ -628,8 +628,8 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
     import threading
     import time
 
-    from tiered.cpu import WindowBuffers, chunk_windows, file_order
-    from tiered.format import present_ranks
+    from tiered.stage.cpu import WindowBuffers, chunk_windows, file_order
+    from tiered.format.manifest import present_ranks
     from tiered.tiers.posix import SHARED_PARALLEL_READS
 
     class Recorder:
@@ -682,7 +682,7 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
 
 
 def test_a_migrator_keeps_its_read_windows_from_one_step_to_the_next(tmp_path):
-    from tiered.cpu import WindowBuffers
+    from tiered.stage.cpu import WindowBuffers
 
     state = {f"t{i}": torch.randn(300_000, generator=torch.Generator().manual_seed(i)) for i in range(8)}
     with tiered.Engine.from_config(cluster(tmp_path, "zstd")) as engine:
@@ -700,15 +700,15 @@ def test_a_migrator_keeps_its_read_windows_from_one_step_to_the_next(tmp_path):
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_a_chunk_stored_as_it_is_is_re_encoded_from_the_bytes_read_and_its_size_checked(tmp_path, codec):
-    """`tiered.cpu.decoded`: a `none` chunk's raw bytes are the verified bytes read, handed on
+    """`tiered.stage.cpu.decoded`: a `none` chunk's raw bytes are the verified bytes read, handed on
     with no decode and no copy (a recompression to zstd encodes from them); another codec's are
     decoded into new memory. A stored size that is not the raw size is a damaged chunk, named."""
     import dataclasses
 
     from tiered.codecs import get_codec
     from tiered.config import ZstdSettings
-    from tiered.cpu import decoded
-    from tiered.format import read_manifest, read_rank_index
+    from tiered.stage.cpu import decoded
+    from tiered.format.manifest import read_manifest, read_rank_index
 
     w = torch.randn(3000, generator=torch.Generator().manual_seed(2))
     with tiered.Engine.from_config(cluster(tmp_path, codec)) as engine:
@@ -734,8 +734,8 @@ def test_recompression_hands_the_pool_runs_of_small_chunks_and_still_names_a_dam
     restores bit-exact), and a damaged chunk inside a run is still reported by its tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tiered import copy_rank
-    from tiered.format import read_manifest, read_rank_index
+    from tiered.migrate import copy_rank
+    from tiered.format.manifest import read_manifest, read_rank_index
 
     class Counting(ThreadPoolExecutor):
         tasks = 0

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from tiered import tree
+from tiered.format import tree
 from tiered.errors import StateDictError
-from tiered.checksum import to_u64, wsum64, wsum64_each, wsum64_extents, wsum64_rows_torch
-from tiered.staging import RowRing
+from tiered.format.checksum import to_u64, wsum64, wsum64_each, wsum64_extents, wsum64_rows_torch
+from tiered.stage.pools import RowRing
 
 
 @pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 4095, 4096, 100_003])
@@ -110,7 +110,7 @@ def test_fused_padding_packing_and_checksum_match_the_cpu_definition(stride):
     zeroed, at its offset of the staging buffer, the rows unchanged. Both give each row's wsum64
     as the CPU computes it (wrapping mod 2**64 on the 1 MiB rows), from parts taken over slices of
     each row: rows of one 4 KiB extent leave most slices empty, the 1 MiB rows fill all of them."""
-    from tiered import gpu_checksum
+    from tiered.gpu import pack as gpu_checksum
 
     assert gpu_checksum.available()
     g = torch.Generator(device="cuda").manual_seed(stride)
@@ -149,7 +149,7 @@ def test_fused_padding_packing_and_checksum_match_the_cpu_definition(stride):
 
 
 def test_import_tiered_needs_no_cuda_libraries():
-    code = ("import sys, tiered, tiered.engine, tiered.gpu; "
+    code = ("import sys, tiered, tiered.engine, tiered.gpu.device; "
             "bad = [m for m in sys.modules if m.startswith(('kvikio', 'nvidia.nvcomp', 'cupy'))]; "
             "assert not bad, bad; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -183,7 +183,7 @@ def test_decode_takes_plain_lists_and_tuples_whole_and_tagged_values_inside_them
 def test_the_plan_cache_keeps_a_plan_while_paths_dtypes_shapes_and_devices_stay():
     """The cached plan is reused (its groups are the same objects: a GPU keeps its layout on them)
     only while every leaf keeps its path, dtype, shape, device and kind; each change plans anew."""
-    from tiered.plan import PlanCache
+    from tiered.stage.plan import PlanCache
 
     cache = PlanCache()
 
@@ -210,7 +210,7 @@ def test_the_plan_cache_keys_a_flat_state_on_its_structure_where_it_has_one():
     """A flat state that carries a structure (a reused DCP plan's token with its serialized
     items' sizes) is planned once per structure: the leaves are not compared one by one, and a
     structure that differs (another token, or a serialized item of another size) plans anew."""
-    from tiered.plan import PlanCache
+    from tiered.stage.plan import PlanCache
 
     cache, names, token = PlanCache(), tree.FlatNames(["w", "b", "obj"]), object()
 
@@ -503,7 +503,7 @@ def test_row_ring_fifo_wraps_and_blocks():
     dict(sizes=[], pack=1, rows=1, expected=[]),
 ])
 def test_wave_bounds(case):
-    from tiered.gpu_layout import wave_bounds
+    from tiered.gpu.layout import wave_bounds
 
     assert wave_bounds(case["sizes"], case["pack"], case["rows"]) == case["expected"]
 
@@ -516,8 +516,8 @@ def test_a_layout_packs_every_chunk_where_its_offsets_say():
     from tiered.codecs import get_codec_class
     from tiered.codecs.base import Codec
     from tiered.config import ZstdSettings
-    from tiered.gpu_layout import PACK_ALIGN, Layout, bytes_of
-    from tiered.plan import TensorPlan, chunk_refs
+    from tiered.gpu.layout import PACK_ALIGN, Layout, bytes_of
+    from tiered.stage.plan import TensorPlan, chunk_refs
     from tiered.units import round_up
 
     cs, rows = 64 << 10, 12
@@ -564,8 +564,8 @@ def test_a_layout_reads_contiguous_aligned_tensors_in_place_and_packs_the_rest()
     address holds its bytes. (On the CPU: the layout does no device work.)"""
     from tiered.codecs import get_codec_class
     from tiered.config import ZstdSettings
-    from tiered.gpu_layout import IN_PLACE_ALIGN, Layout, bytes_of
-    from tiered.plan import TensorPlan
+    from tiered.gpu.layout import IN_PLACE_ALIGN, Layout, bytes_of
+    from tiered.stage.plan import TensorPlan
 
     cs = 4096
     g = torch.Generator().manual_seed(3)
@@ -612,8 +612,8 @@ def test_a_layout_built_before_the_slab_is_kept_where_its_waves_would_be_the_sam
     first save keeps that layout for a larger slab only where no wave was cut at that count."""
     from tiered.codecs import get_codec_class
     from tiered.config import ZstdSettings
-    from tiered.gpu_layout import Layout
-    from tiered.plan import TensorPlan
+    from tiered.gpu.layout import Layout
+    from tiered.stage.plan import TensorPlan
 
     cs = 64 << 10
     spec = get_codec_class("none").spec_for(torch.float32)
@@ -650,8 +650,8 @@ def test_row_ring_on_block_called_only_when_waiting():
 
 
 def test_file_runs_group_chunks_that_lie_end_to_end():
-    from tiered.format import ChunkRecord
-    from tiered.gpu_layout import file_runs
+    from tiered.format.manifest import ChunkRecord
+    from tiered.gpu.layout import file_runs
 
     c = [ChunkRecord(0, 5000, 1 << 20, 0), ChunkRecord(8192, 100, 1 << 20, 0), ChunkRecord(12288, 4096, 1 << 20, 0),
          ChunkRecord(40960, 1, 10, 0), ChunkRecord(0, 5000, 1 << 20, 0)]
@@ -663,7 +663,7 @@ def test_file_runs_group_chunks_that_lie_end_to_end():
 def test_extent_runs_fill_each_run_up_to_the_limit_with_whole_aligned_extents():
     import random
 
-    from tiered.chunks import extent_runs
+    from tiered.format.chunks import extent_runs
 
     rng = random.Random(7)
     for _ in range(200):
@@ -680,7 +680,7 @@ def test_extent_runs_fill_each_run_up_to_the_limit_with_whole_aligned_extents():
 
 
 def test_joined_extents_write_consecutive_extents_as_few_buffers():
-    from tiered.cpu import joined_extents
+    from tiered.stage.cpu import joined_extents
 
     parts = [memoryview(bytes([i]) * n) for i, n in enumerate([4096, 8192, 4096, 40960, 4096])]
     got = list(joined_extents(parts, 16384))
@@ -699,7 +699,7 @@ def test_the_writer_reads_queued_waves_sizes_only_while_the_copy_engine_is_idle(
     import queue
     from types import SimpleNamespace
 
-    from tiered.gpu_write import RowsWriter
+    from tiered.gpu.write import RowsWriter
 
     class Wave:
         def __init__(self, done):
@@ -869,7 +869,7 @@ def test_the_scale_bench_also_judges_a_restore_by_the_disk_probed_just_before_it
 
 def test_the_scale_bench_prints_a_gpu_runs_result_on_a_machine_without_one(capsys):
     """The summary of a size prints a GPU run's ceilings (the GPU codecs' rates, a branch only a GPU
-    run reaches) and its rows from that run's recorded result (GPU run 306, committed)."""
+    run reaches) and its rows from that run's recorded result (committed)."""
     import json
     from pathlib import Path
 
@@ -1012,7 +1012,7 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
 
 
 def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
-    """`--trace`: the profiler's GPU memory once left training none (GPU run 219). Training
+    """`--trace`: the profiler's GPU memory once left training none. Training
     running out of memory in the traced window, which comes after the measured ones, leaves the
     row its measured saves, notes the error, and still hands back the traced save's step (started
     before the failure) for the restore; out of memory in a measured window still fails the row."""

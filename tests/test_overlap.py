@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiered
-from tiered import overlap
+from tiered.stage import overlap
 from helpers import trained_model
 
 
@@ -111,10 +111,10 @@ def test_guard_keys_cover_parameters_state_and_views():
 
 def test_distributed_items_are_the_optimizers_own_tensors():
     """A distributed save hands the pipeline DCP's items: tensors that need no detaching are the
-    very objects the optimizer holds, so a guarded save finds them by identity (GPU run 229: a
+    very objects the optimizer holds, so a guarded save finds them by identity (a
     detached alias of every Adam moment made 2-rank saves strict, 614 ms a save at 24 GB)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
-    from tiered.dcp_storage import StepWriter
+    from tiered.distributed.storage import StepWriter
 
     model, opt = trained_model("cpu", steps=1)
     planner = DefaultSavePlanner()
@@ -180,7 +180,7 @@ def test_a_state_let_go_right_after_a_guarded_save_is_saved_as_it_was(tmp_path, 
     tensors on the training stream take the freed memory and overwrite it. The engine holds what
     it reads until read (it marks no tensor's memory for its own stream), so the step has the
     state as it was at save(). With `defer_walk`, step 2's tensors are new to the state: the
-    stager clones them, and every read of the save waits for those clones (GPU run 291: the
+    stager clones them, and every read of the save waits for those clones (the
     copy-engine path's own stream did not)."""
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": codec}]}
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -208,7 +208,7 @@ def test_saves_and_restores_are_exact_when_new_memory_is_filled_with_nan(tmp_pat
     """Under torch.use_deterministic_algorithms (Lightning's deterministic=True), new memory is
     filled with NaN by a kernel on the stream that allocates it. The engine's buffers, and a
     restore's, must be filled before the work that writes them, not beside it: on an H100 a
-    restore came back NaN once Lightning's test had left the mode on (GPU runs 104-109)."""
+    restore came back NaN once Lightning's test had left the mode on."""
     cfg = {"tiers": [{"name": "local", "kind": "local", "path": str(tmp_path), "codec": "ans"}]}
     g = torch.Generator(device="cuda").manual_seed(3)
     state = {f"x{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(4)}
@@ -262,7 +262,7 @@ class _HeldWalk:
     thread than the test's waits until `release()` (so the test can change the state first)."""
 
     def __init__(self, monkeypatch):
-        from tiered import save as save_module
+        from tiered.save import pipeline as save_module
 
         self.threads: list[str] = []
         self.go = threading.Event()
@@ -394,7 +394,7 @@ def test_a_guard_keeps_the_walk_in_the_call_unless_asked_to_defer_it(tier_config
     read then), however long the walk takes, as long as that guard stands, and nothing is kept for
     deferred saves; once it gives way to one with `defer_walk=True`, the next save learns the
     state in its call and the ones after walk nothing."""
-    from tiered import save as save_module
+    from tiered.save import pipeline as save_module
 
     monkeypatch.setattr(save_module, "DEFER_AFTER_MS", 0.0)  # (every walk is long enough to defer)
     model, opt = trained_model("cpu", steps=1)
@@ -420,7 +420,7 @@ def test_by_default_a_guarded_save_defers_the_walk_once_a_call_has_taken_long_to
     `reserve` (after the guard) or in a save's call makes the saves after it walk on the stager
     thread, said once in the log; a shorter one keeps the walk in the call. Without `reserve`
     the first save's call walks and decides."""
-    from tiered import save as save_module
+    from tiered.save import pipeline as save_module
 
     monkeypatch.setattr(save_module, "DEFER_AFTER_MS", walk_ms)
     model, opt = trained_model("cpu", steps=1)

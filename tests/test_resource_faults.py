@@ -161,7 +161,7 @@ def test_a_save_that_stands_still_logs_where_the_engines_threads_stand(tmp_path,
     writer's in the write among them, once; the save completes when the disk answers again."""
     import threading
 
-    from tiered import watch
+    from tiered.observe import watch
     from tiered.tiers.local import LocalDataWriter
 
     monkeypatch.setattr(watch, "WATCH_S", 0.05)

@@ -28,7 +28,8 @@ import yaml
 
 from helpers import new_bucket, running_s3, s3_client
 from s3proxy import FaultProxy
-from tiered import Engine, migrator
+from tiered import Engine
+from tiered.migrate import migrator
 from tiered.cli import main as cli
 from tiered.errors import TieredError
 

@@ -10,7 +10,7 @@ import torch
 
 import tiered
 from tiered.errors import FormatError
-from tiered.format import RankIndex, index_file_name
+from tiered.format.manifest import RankIndex, index_file_name
 
 
 class Tied(torch.nn.Module):
@@ -94,7 +94,7 @@ def test_other_overlapping_views_stay_separate_and_unshared_states_stay_version_
 def test_views_at_one_address_are_shared_only_where_the_whole_view_is_the_same():
     """flatten looks tensors up by address first: views that start at one address but differ in
     shape, stride or dtype, and empty views there, stay leaves of their own."""
-    from tiered import tree
+    from tiered.format import tree
     w = torch.randn(4, 8)
     state = {"tail": w[2:], "tail2": w[2:], "empty": w[2:2], "empty2": w[2:2], "col": w[2:, :1],
              "bytes": w[2:].view(torch.uint8), "t": w[2:].t()}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiered
-from tiered.stage_after import AUTO_MAX_MS, READ_MARGIN, StageAfter, stage_after_seconds
+from tiered.stage.stage_after import AUTO_MAX_MS, READ_MARGIN, StageAfter, stage_after_seconds
 from helpers import assert_same, trained_model
 
 

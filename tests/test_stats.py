@@ -12,8 +12,8 @@ import yaml
 
 import tiered
 from tiered.cli import main
-from tiered.records import RECORDS_DIR, read_records
-from tiered.stats import summarize
+from tiered.observe.records import RECORDS_DIR, read_records
+from tiered.observe.stats import summarize
 
 
 def _config(tmp_path, **fast) -> dict:
@@ -137,7 +137,7 @@ def test_no_records_and_bad_prices_are_clear_errors(tmp_path, capsys):
 
 
 def test_a_subscriber_gets_each_record_and_its_failure_never_fails_a_save(tmp_path, caplog):
-    from tiered.records import subscribe
+    from tiered.observe.records import subscribe
 
     got = []
     stop_good = subscribe(got.append)

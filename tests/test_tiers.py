@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format import MANIFEST_NAME
+from tiered.format.manifest import MANIFEST_NAME
 
 
 def extents(n: int, size: int = 4096 * 300, seed: int = 0) -> list[bytes]:

@@ -36,12 +36,12 @@ class Budgets:
 
     gpu_buffer: int | None = None
     """Compressed chunks held on each GPU until written (one slab, reused across saves).
-    None (``auto``): sized at the first save from free GPU memory (tiered.budgets)."""
+    None (``auto``): sized at the first save from free GPU memory (tiered.stage.budgets)."""
     pack_buffer: int = 256 * 1024**2
     """GPU buffer in which tensors are packed for one batched codec call (reused)."""
     host_buffer: int | None = None
     """Host memory: compressed GPU chunks drained off the GPU plus snapshots of CPU tensors.
-    None (``auto``): sized from the host's available memory at start-up (tiered.budgets)."""
+    None (``auto``): sized from the host's available memory at start-up (tiered.stage.budgets)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +117,7 @@ class Config:
     zstd: ZstdSettings = ZstdSettings()
     migration: str = "process"
     """"process": a child process of the engine copies each committed step down the tiers
-    (tiered.migration_process); "in_process": a background thread of the training process does;
+    (tiered.migrate.process); "in_process": a background thread of the training process does;
     "external": another process does (the engine only writes the fast tier)."""
     on_fast_tier_error: str = "fail"
     """"fail": a save the fast tier cannot take fails with an error naming the cause. "next_tier":

@@ -6,11 +6,11 @@ DCP's planner decides what each rank writes (replicated tensors once, shards by 
 and what each rank reads (resharding: any world size to any other). Storage then works as in
 the single-process engine: each rank stages its items (GPU tensors compressed on their GPU) and
 writes ``rank_NNNNN.data`` and its index to its node-local tier; the coordinator writes the DCP
-metadata and the manifest last, once every rank's files are durable (tiered.dcp_commit; see
+metadata and the manifest last, once every rank's files are durable (tiered.distributed.commit; see
 docs/distributed.md).
 
 The call orders DCP follows, and how the metadata is kept (JSON, never pickled), are in
-tiered.dcp_storage, whose StepWriter and StepReader these classes extend for an Engine or a config.
+tiered.distributed.storage, whose StepWriter and StepReader these classes extend for an Engine or a config.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tiered.dcp_storage import NotSavedThroughDcp, SafeLoadPlanner, StepReader, StepWriter, box_chunks, item_name
+from tiered.distributed.storage import NotSavedThroughDcp, SafeLoadPlanner, StepReader, StepWriter, box_chunks, item_name
 from tiered.engine import Engine
 
 __all__ = ["GpuStager", "NotSavedThroughDcp", "SafeLoadPlanner", "TieredStorageReader", "TieredStorageWriter",

@@ -1,15 +1,15 @@
 """Engine: save / restore / latest_step / steps / wait / close: the face over the pipelines.
 
     Engine
-      catalog   tiered.catalog.TierCatalog   which committed steps each tier holds; restore order
-      workers   tiered.runtime.Workers       codec pool, pinned host pool, one GpuDevice per GPU
-      saves     tiered.save.SavePipeline     plan -> stage -> write -> fsync -> index -> commit
-      restorer  tiered.restore.Restorer      read plan -> fetch (+ fallback) -> verify -> decode -> place
-      migrator  tiered.migrator              copies committed steps down the tiers (in_process)
+      catalog   tiered.tiers.catalog.TierCatalog   which committed steps each tier holds; restore order
+      workers   tiered.gpu.runtime.Workers       codec pool, pinned host pool, one GpuDevice per GPU
+      saves     tiered.save.pipeline.SavePipeline     plan -> stage -> write -> fsync -> index -> commit
+      restorer  tiered.restore.pipeline.Restorer      read plan -> fetch (+ fallback) -> verify -> decode -> place
+      migrator  tiered.migrate.migrator              copies committed steps down the tiers (in_process)
 
 `save()` returns once the state may change again (GPU: the compressed copy is the snapshot); the
 writer thread does the rest, and its failures are re-raised by the next `save()` or `wait()`.
-Under torch.distributed, save and restore go through DCP's planner (tiered.distributed).
+Under torch.distributed, save and restore go through DCP's planner (tiered.distributed.saver).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from typing import Any, Sequence
 
 import torch
 
-from tiered import tree
-from tiered.catalog import TierCatalog, saved_through_dcp
+from tiered.format import tree
+from tiered.tiers.catalog import TierCatalog, saved_through_dcp
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import TieredError
-from tiered.format import Manifest, RankIndex
-from tiered.handle import SaveHandle
-from tiered.records import read_records, records_root
-from tiered.restore import Restorer
-from tiered.runtime import Workers
-from tiered.save import SavePipeline
+from tiered.format.manifest import Manifest, RankIndex
+from tiered.save.handle import SaveHandle
+from tiered.observe.records import read_records, records_root
+from tiered.restore.pipeline import Restorer
+from tiered.gpu.runtime import Workers
+from tiered.save.pipeline import SavePipeline
 
 __all__ = ["Engine", "SaveHandle"]
 
@@ -57,13 +57,13 @@ class Engine:
         self._migrator: Any = None
         if len(config.tiers) > 1 and config.migration == "process" and config.document is not None:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # one migrator process per node: the first local rank's
-                from tiered.migration_process import MigratorProcess
+                from tiered.migrate.process import MigratorProcess
 
                 self._migrator = MigratorProcess(config)
                 self.saves.on_commit(self._migrator.submit)
         elif len(config.tiers) > 1 and config.migration in ("in_process", "process"):  # (a Config built in code
             # has no document for a child process to read: its migrator runs in this process)
-            from tiered.migrator import BackgroundMigrator, make_gpu_recoder
+            from tiered.migrate.migrator import BackgroundMigrator, make_gpu_recoder
 
             self._migrator = BackgroundMigrator(config, self.catalog.get, lambda: make_gpu_recoder(config))
             self.saves.on_commit(self._migrator.submit)
@@ -133,7 +133,7 @@ class Engine:
         return self.catalog.latest_step(tier)
 
     def stats(self) -> list[dict[str, Any]]:
-        """The records every save and migration of these checkpoints left (tiered.records), oldest first."""
+        """The records every save and migration of these checkpoints left (tiered.observe.records), oldest first."""
         return read_records(records_root(self.config))
 
     def read_index(self, step: int, tier: str | None = None) -> tuple[Manifest, RankIndex]:
@@ -162,13 +162,13 @@ class Engine:
         From now on `save()` returns at once: the state is read on a side stream (another thread
         issues the work) while training runs on, and `optimizer.step()` (what changes parameters and
         optimizer state) first makes its stream wait until that is done. The rest of the state
-        (buffers, an EMA copy) is cloned in `save()` (tiered.overlap; beyond a limit the save is
+        (buffers, an EMA copy) is cloned in `save()` (tiered.stage.overlap; beyond a limit the save is
         strict, logged once). Once a walk took 10 ms (a call's, or `reserve`'s after this; one
         process), later calls leave it to that thread, before the optimizer step: until then the
         state's dicts and non-tensor values must not change (`defer_walk=True`: from the first save
         or `reserve` after this, under torchrun DCP's plan too; False: never). `stage_after_ms`:
         that thread starts a save no sooner, unless the step or a wait comes first ("auto": sized
-        from the loop's step time, tiered.stage_after; 0: at once). Guarded tensors changed other
+        from the loop's step time, tiered.stage.stage_after; 0: at once). Guarded tensors changed other
         than by `optimizer.step()` need `order_updates()` first. `remove()` makes saves strict."""
         return self.saves.guard(optimizer, defer_walk, stage_after_ms)
 
@@ -197,13 +197,13 @@ class Engine:
         self.saves.order_updates()
 
     def _distributed(self) -> bool:
-        """torch.distributed runs with several ranks: saves and restores go through DCP (tiered.distributed)."""
+        """torch.distributed runs with several ranks: saves and restores go through DCP (tiered.distributed.saver)."""
         if self._dist is None:
             import torch.distributed as dist
 
             if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
                 return False
-            from tiered.distributed import DistributedSaver
+            from tiered.distributed.saver import DistributedSaver
 
             self._dist = DistributedSaver(self.saves)
         return True
@@ -260,12 +260,12 @@ class Engine:
         t0 = time.perf_counter()
         with self._api_lock, tree.collector_paused():  # (metadata, indexes, plans: no cycles; see collector_paused)
             if self._distributed():
-                from tiered.distributed import agree_on_step
+                from tiered.distributed.saver import agree_on_step
 
                 step = agree_on_step(step, lambda: self.catalog.restore_order(None, tier)[0])
             step, order = self.catalog.restore_order(step, tier)
             if saved_through_dcp(order, step):
-                from tiered.distributed import restore_dcp
+                from tiered.distributed.saver import restore_dcp
 
                 restore_dcp(self.restorer, state_dict, step, order, strict=strict)
                 source = order[0].name

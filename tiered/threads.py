@@ -4,7 +4,7 @@ CUDA's current device belongs to a thread, and a new thread's is GPU 0, whatever
 started it chose with `torch.cuda.set_device`. Its first CUDA call outside a device scope (an
 event's synchronize, a host-memory registration, a library that asks for the current device)
 then opens a context on GPU 0. Under torchrun on a node of several GPUs, every rank but the
-first so took about 0.5 GB of rank 0's GPU, which training had nearly filled (GPU run 89: a
+first so took about 0.5 GB of rank 0's GPU, which training had nearly filled (a
 restore at 2 ranks ran out of memory beside a 522 MiB context of the other rank). Every thread
 and thread pool of the engine that may touch CUDA is made here.
 """

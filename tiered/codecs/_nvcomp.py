@@ -49,7 +49,7 @@ class _PinnedBuffer:
     """nvCOMP's pinned host buffers (the tables of a batch's pointers and sizes), from torch's
     caching host allocator. nvCOMP's own allocator pins and unpins per call (cudaMallocHost,
     cudaFreeHost), which waits for the whole device: a save's compression issued beside training
-    waited for every kernel training had queued on the default stream (H100, GPU runs 85-86: 300 ms
+    waited for every kernel training had queued on the default stream (300 ms
     behind a 300 ms kernel), so a guarded save's drain stood still while the forward and backward
     ran. A buffer goes back to the cache only once the work nvCOMP queued on its stream has run.
     (The allocator is nvCOMP's, process-wide: set once, when tiered first uses nvCOMP.)"""
@@ -108,7 +108,7 @@ _told: list[bool] = []
 def max_compressed(algorithm: str, chunk_size: int, data_type: str | None = None) -> int:
     """nvCOMP's bound on one compressed chunk (it is computed from an array of that size). Where
     the first one opens a CUDA context on GPU 0 in a process working on another GPU, as nvCOMP
-    6.0 does (GPU runs 238-240), the log says so once."""
+    6.0 does, the log says so once."""
     key = (algorithm, chunk_size, data_type)
     if key not in _bounds:
         stream = torch.cuda.current_stream()
@@ -151,7 +151,7 @@ def primary_context_active(index: int) -> bool | None:
 def _wait(stream: torch.cuda.Stream) -> None:
     """Wait for `stream`'s work so far through torch, which lets the GIL go. nvCOMP's own wait
     (reading a batch's sizes) holds it: every Python thread, training's included, would stand
-    still until the batch is done (run 152)."""
+    still until the batch is done."""
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()

@@ -12,7 +12,7 @@ import torch
 
 from tiered.codecs import _nvcomp
 from tiered.codecs.base import Codec, register
-from tiered.format import CodecSpec
+from tiered.format.manifest import CodecSpec
 
 _DATA_TYPES = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<f2"}
 

@@ -32,7 +32,7 @@ import torch
 
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError
-from tiered.format import CODEC_PARAMETERS, CodecSpec, check_codec_spec
+from tiered.format.manifest import CODEC_PARAMETERS, CodecSpec, check_codec_spec
 
 
 class PendingSizes(Protocol):
@@ -51,7 +51,7 @@ class Codec:
     migration re-encoding them) takes them as they are, with no decode and no copy."""
 
     def __init__(self, spec: CodecSpec, settings: ZstdSettings):
-        check_codec_spec(spec)  # the values the format allows (tiered.format.CODEC_PARAMETERS)
+        check_codec_spec(spec)  # the values the format allows (tiered.format.manifest.CODEC_PARAMETERS)
         self.spec = spec
         self.settings = settings
 
@@ -94,7 +94,7 @@ _REGISTRY: dict[str, type[Codec]] = {}
 
 def register(cls: type[Codec]) -> type[Codec]:
     if cls.name not in CODEC_PARAMETERS:
-        raise TypeError(f"codec {cls.name!r} is not in tiered.format.CODEC_PARAMETERS: the format could not read it")
+        raise TypeError(f"codec {cls.name!r} is not in tiered.format.manifest.CODEC_PARAMETERS: the format could not read it")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from tiered.codecs.base import Codec, register
-from tiered.format import CodecSpec
+from tiered.format.manifest import CodecSpec
 
 
 @register

@@ -20,7 +20,7 @@ import zstandard
 
 from tiered.codecs import _nvcomp
 from tiered.codecs.base import Codec, register
-from tiered.format import CodecSpec
+from tiered.format.manifest import CodecSpec
 
 
 def shuffle_np(raw: memoryview, elem: int) -> np.ndarray:

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 import torch
 
 from tiered.integrations.common import StepStore, set_rng_states, single_process
-from tiered.records import subscribe
+from tiered.observe.records import subscribe
 
 TENSOR_KEYS = ("state_dict", "optimizer_states")
 """The parts of a Lightning checkpoint that go through the engine; the rest goes in the pointer."""

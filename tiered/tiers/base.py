@@ -18,7 +18,7 @@ that no rank removes another's files; one rank commits once every rank's files a
 (``file_size`` tells which are there).
 
 Reading: ``tier.steps()`` lists committed steps only; ``read_manifest``, ``read_file`` and
-``open_data_reader`` take names validated by tiered.format (plain names inside the step).
+``open_data_reader`` take names validated by tiered.format.manifest (plain names inside the step).
 ``device_reader(tier, step, name)`` reads into GPU memory: KvikIO where the tier ``reads_into_gpu``,
 else a host read and a copy (`HostStagedReader`).
 """
@@ -55,7 +55,7 @@ class DataWriter(Protocol):
 
 class DataReader(Protocol):
     """One rank's data file, read. A reader may also say how many windows a migration or a
-    restore should read from it at once, `parallel_reads` (`tiered.cpu.chunk_windows`; 8 where
+    restore should read from it at once, `parallel_reads` (`tiered.stage.cpu.chunk_windows`; 8 where
     it does not say: S3's GETs)."""
 
     path: str

@@ -4,7 +4,7 @@ One queued item per extent, whose pieces the threads take in turn: no future or 
 piece. A save of a large state drains thousands of 16 MiB pieces faster than the disk takes
 them, and as objects (a future, its condition, lock and work item each) they lived in the queue
 long enough to set off the collector's full passes over the training process, which hold every
-Python thread (H100, GPU run 105: about 1,300 futures, with their conditions, locks and
+Python thread (about 1,300 futures, with their conditions, locks and
 waiter queues, were alive at the end of a 24 GB save's staging).
 """
 

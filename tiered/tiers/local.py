@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
+from tiered.format.manifest import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
                            step_dir_name)
 from tiered.tiers.base import committed_error
 from tiered.tiers.host_writes import HostWrites
@@ -64,8 +64,8 @@ def kvikio_mode() -> str:
 
     On first use it also sets KvikIO's thread pool to IO_THREADS threads and, in compat mode,
     O_DIRECT reads, unless KVIKIO_NTHREADS / KVIKIO_AUTO_DIRECT_IO_READ are set. KvikIO's
-    defaults are one thread and buffered reads: measured on the lent H100s (scripts/io_probe.py,
-    docs/benchmarks.md), 2 GB of reads into GPU memory ran at 1.5-1.6 GB/s that way and at
+    defaults are one thread and buffered reads: measured on the lent H100s (docs/architecture.md,
+    "KvikIO settings"), 2 GB of reads into GPU memory ran at 1.5-1.6 GB/s that way and at
     2.1 GB/s with 4 threads, 16 MiB tasks and O_DIRECT. These are process-wide KvikIO settings.
     """
     global _configured
@@ -338,7 +338,7 @@ class LocalDataReader:
     `DIRECT_READ_MIN`), device ranges with KvikIO."""
 
     parallel_reads = 2
-    """Windows a migration or restore reads at once from this file (`tiered.cpu.chunk_windows`).
+    """Windows a migration or restore reads at once from this file (`tiered.stage.cpu.chunk_windows`).
     One O_DIRECT read of a window already keeps the disk's queue full; windows read at once
     share the disk and land together, so the one needed first waits for all of them: with 8 at
     once, a 2,000-tensor step's first window (3 MiB) landed with the 120 MiB read beside it,

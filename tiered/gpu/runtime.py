@@ -1,0 +1,119 @@
+"""What one engine computes with, shared by its save and restore pipelines: the codec thread pool,
+the pinned host staging pool, and one `GpuDevice` (streams, slab, pack buffer) per GPU, each
+created on first use and reused. `import tiered` needs no CUDA: `tiered.gpu.device` is imported only
+when a GPU device is first asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from tiered import threads
+from tiered.stage.budgets import auto_host_buffer, host_available, local_ranks
+from tiered.config import Config
+from tiered.stage.pools import PIN_BLOCK, HostPool
+from tiered.units import format_size
+
+log = logging.getLogger("tiered")
+
+CHECKSUM_THREADS = 2
+"""Threads of `Workers.checksums`: at ~2-3 GB/s each, ahead of a disk's writes per GPU."""
+
+
+def gpu_stack_available() -> bool:
+    """CUDA, nvCOMP and KvikIO are all present: GPU tensors can be compressed on the GPU."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import kvikio  # noqa: F401
+        from nvidia import nvcomp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Workers:
+    """The codec pool, the host staging pool and the GPU devices of one engine."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.gpu_ready = gpu_stack_available()
+        """GPU tensors are compressed on the GPU and written through KvikIO."""
+        if torch.cuda.is_available() and not self.gpu_ready:
+            log.warning("tiered: CUDA is available but nvCOMP or KvikIO is not installed: GPU tensors are copied "
+                        "to host memory and compressed with zstd on the CPU. Install tiered[cu13] or tiered[cu12].")
+        workers = config.zstd.threads or os.cpu_count() or 1
+        self.pool = threads.pool(workers, "tiered-codec")
+        """CPU codec work (zstd encode and decode release the GIL)."""
+        self.checksums = threads.pool(CHECKSUM_THREADS, "tiered-checksum", initializer=threads.lower_priority)
+        """Checksums of GPU tensors copied to the host as they are (tiered.stage.host_copy): few threads,
+        at a lower priority, so that they never take the CPU from the training loop (the
+        codec pool's 16 threads summing beside training slowed the step after each save by 0.7-1.4 s)."""
+        self.host = host_pool(config.budgets.host_buffer)
+        """Host staging memory: pinned in the background, as saves need it, where CUDA exists."""
+        self._devices: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def device(self, index: int) -> Any:
+        """The `tiered.gpu.device.GpuDevice` of GPU `index`, created on first use."""
+        with self._lock:
+            dev = self._devices.get(index)
+            if dev is None:
+                from tiered.gpu.device import GpuDevice
+
+                dev = self._devices[index] = GpuDevice(index, self.config.chunk_size, self.config.budgets,
+                                                      self.config.zstd, self.host)
+        return dev
+
+    def prepare(self, tensors: Any) -> None:
+        """Set up now, not in the first save, the GPU devices that `tensors` live on."""
+        if self.gpu_ready:
+            for index in sorted({t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}):
+                self.device(index)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until every GPU device made so far has compiled its save kernels; True once all have."""
+        with self._lock:
+            devices = list(self._devices.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([d.wait_warm(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for d in devices])
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait, at most `timeout` seconds in all, until the host staging memory wanted so far is
+        pinned and every GPU device made so far has compiled its save kernels; True once both are."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pinned = self.host.wait_pinned(timeout)
+        return self.wait_warm(None if deadline is None else max(0.0, deadline - time.monotonic())) and pinned
+
+    def close(self) -> None:
+        """Stop the codec pool and let the GPU and host staging memory go (nothing may be staged)."""
+        self.pool.shutdown()
+        self.checksums.shutdown()
+        self._devices.clear()
+        self.host.close()
+
+
+def host_pool(host_buffer: int | None) -> HostPool:
+    """The engine's host staging pool: at most `host_buffer` bytes, or ``auto`` (tiered.stage.budgets),
+    logged; where CUDA is in use, pinned on a background thread as saves need it."""
+    cuda = torch.cuda.is_available()
+    if host_buffer is None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if cuda else None
+        choice = auto_host_buffer(host_available(), local_ranks(), total, PIN_BLOCK)
+        host_buffer = choice.nbytes
+        log.info("tiered: budgets.host_buffer auto: %s (%s)%s; set budgets.host_buffer to change it",
+                 format_size(host_buffer), choice.why, ", pinned in the background as saves need it" if cuda else "")
+    if not cuda:
+        return HostPool(host_buffer)
+    cudart = torch.cuda.cudart()
+    # cudaHostRegisterPortable (1): pinned for every GPU of this process, not only the pinning
+    # thread's (the pinner runs on the engine's GPU: tiered.threads).
+    return HostPool(host_buffer, pin=lambda addr, n: int(cudart.cudaHostRegister(addr, n, 1)) == 0,
+                    unpin=lambda addr: cudart.cudaHostUnregister(addr))
