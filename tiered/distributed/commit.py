@@ -109,6 +109,28 @@ def store() -> Any:
     return _get_default_store()
 
 
+POLL_S = 0.02
+"""How often a wait for another rank's post looks at the store."""
+
+
+def wait_for_keys(keys: Sequence[str], timeout: timedelta, missing: Any) -> None:
+    """Wait until every key is in the store, looking every `POLL_S`. Not `Store.wait`: a TCPStore
+    client serves one request at a time, so a blocking wait on one thread holds every other
+    thread's `set` behind it; two saves in flight (an `Engine.save` committing while `dcp.save`
+    adopts another step) then wait on each other across ranks for ever. On timeout, a
+    `TieredError` whose message is `missing(keys not posted)`."""
+    s = store()
+    deadline = time.monotonic() + timeout.total_seconds()
+    pending = list(keys)
+    while pending:
+        pending = [k for k in pending if not s.check([k])]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TieredError(missing(pending))
+        time.sleep(POLL_S)
+
+
 def commit_key(save_id: str) -> str:
     return f"tiered/{save_id}/commit"
 
@@ -130,7 +152,9 @@ def adopt_commit(saves: Any, step: int, save_id: str) -> Manifest:
     node's ranks' files are; the other local ranks wait until it has. `saves`: this rank's
     SavePipeline (its fast tier and rank)."""
     s = store()
-    s.wait([commit_key(save_id)], COMMIT_TIMEOUT)
+    wait_for_keys([commit_key(save_id)], COMMIT_TIMEOUT, lambda _: (
+        f"step {step}: the coordinator (rank 0) posted no commit within {COMMIT_TIMEOUT}: it stopped, or its "
+        f"save failed without a word"))
     posted = json.loads(s.get(commit_key(save_id)))
     if "error" in posted:
         raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")

@@ -50,7 +50,7 @@ from tiered import threads
 
 from tiered.format import tree
 from tiered.distributed.commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
-                                      post_failure, results_of, store)
+                                      post_failure, results_of, store, wait_for_keys)
 from tiered.distributed.reuse import PlanReuse
 from tiered.distributed.storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
@@ -281,7 +281,9 @@ class DistributedSaver:
         if self.rank == 0:
             try:
                 keys = [_rank_key(save_id, r) for r in range(self.world)]
-                s.wait(keys, COMMIT_TIMEOUT)
+                wait_for_keys(keys, COMMIT_TIMEOUT, lambda missing: (
+                    f"step {step} was not committed: rank(s) {', '.join(str(keys.index(k)) for k in missing)} "
+                    f"did not report their files durable within {COMMIT_TIMEOUT}"))
                 with tree.collector_paused():
                     posted = [json.loads(s.get(k)) for k in keys]
                     failed = [p["error"] for p in posted if isinstance(p, dict)]
