@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,8 +107,57 @@ def test_cost_command_turns_the_records_into_a_bill(tmp_path, capsys):
     assert "transfer into shared" in lines and "transfer into local" not in lines
     assert all(x["from"].startswith("3 records (steps 1-3;") for x in cost["lines"])
     assert cost["total_usd"] == pytest.approx(sum(x["usd"] for x in cost["lines"]))
-    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "2"]) == 0  # interval and disk rate found
-    assert "saving: $" in capsys.readouterr().out
+    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "2", "--interval", "30"]) == 0  # disk rate found
+    out = capsys.readouterr().out
+    assert "every 30 min (--interval)" in out and ("saving: $" in out or "no saving: " in out)
+
+
+def _respaced(path: str, seconds: float, copies: int) -> None:
+    """The run's save records repeated `copies` times, `seconds` apart (the records' own format)."""
+    import datetime as dt
+    cfg = yaml.safe_load(open(path))
+    root = os.path.join(cfg["tiers"][0]["path"], RECORDS_DIR)
+    saves = [r for r in read_records(Path(root)) if r["kind"] == "save"]
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    for name in os.listdir(root):
+        os.remove(os.path.join(root, name))
+    with open(os.path.join(root, "respaced.jsonl"), "w") as f:
+        for i in range(copies):
+            rec = {**saves[i % len(saves)], "step": i + 1, "time": (start + dt.timedelta(seconds=i * seconds)).isoformat()}
+            rec.pop("source", None)
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_cost_asks_for_the_interval_where_the_records_cannot_tell_it(tmp_path, capsys):
+    path, _, _ = _run(tmp_path)
+    # three saves: too few to stand for a job's cadence
+    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "3 save(s) recorded, fewer than 5" in err and "--interval MIN" in err
+    # enough saves, but a fraction of a second apart (a test or a demo): never "92,571,429 saves"
+    _respaced(path, 0.03, 8)
+    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "0.03 s apart (median of 8), under a minute" in err and "--interval MIN" in err
+    # enough saves, 20 minutes apart: the records' own interval, and the output says so
+    _respaced(path, 1200, 8)
+    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "2", "--disk-gbps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "every 20 min (the recorded saves' median interval)" in out and "(2,160 saves)" in out
+
+
+def test_cost_says_why_when_there_is_no_saving(tmp_path, capsys):
+    path, _, _ = _run(tmp_path)
+    # a disk so fast that writing the raw bytes synchronously stalls less than these CPU saves did
+    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "10000", "--interval", "30",
+                 "--disk-gbps", "1000000"]) == 0
+    out = capsys.readouterr().out
+    assert "saving: $-" not in out and "no saving: tiered costs $" in out
+    assert "no less than writing the raw bytes at the disk rate would" in out
+    assert main(["cost", "-q", "-c", path, "--gpus", "8", "--gpu-hour", "10000", "--interval", "30",
+                 "--disk-gbps", "1000000", "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out)
+    assert cost["saving_usd"] < 0 and "stalled training" in cost["why_no_saving"]
 
 
 def test_report_writes_a_chart_and_a_page(tmp_path):

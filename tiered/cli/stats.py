@@ -65,17 +65,33 @@ def cmd_cost(args: argparse.Namespace, catalog: TierCatalog) -> int:
         rate = (per_gpu, "the fastest recorded save: stored bytes per rank over its time to durable (a lower bound)")
     else:
         raise TieredError("no disk rate: give --disk-gbps")
+    interval = (args.interval, "--interval") if args.interval else (_interval_min(summary),
+                                                                     "the recorded saves' median interval")
     cost = monthly_cost(summary, catalog.config.tiers, gpus=args.gpus, gpu_hour=args.gpu_hour,
-                        interval_min=args.interval or _interval_min(summary), disk_rate=rate)
+                        interval_min=interval[0], interval_from=interval[1], disk_rate=rate)
     print(json.dumps(cost, indent=1) if args.json else format_cost(cost))
     return EXIT_OK
 
 
+MIN_SAVES_FOR_INTERVAL = 5
+"""Fewer recorded saves than this do not stand for a job's interval between saves."""
+MIN_INTERVAL_MIN = 1.0
+"""A recorded interval under a minute is a test or a demo, not a training job's checkpoint cadence."""
+
+
 def _interval_min(summary: dict[str, Any]) -> float:
-    gaps = summary["saves"]["interval_s"]
-    if gaps is None:
-        raise TieredError("one save recorded: give the interval between saves with --interval MIN")
-    return gaps["median"] / 60
+    """The recorded saves' median interval, where enough saves far enough apart were recorded to
+    stand for the job's cadence; else an error that asks for ``--interval``."""
+    count, gaps = summary["saves"]["count"], summary["saves"]["interval_s"]
+    ask = "give the interval between the job's saves with --interval MIN (e.g. --interval 30)"
+    if gaps is None or count < MIN_SAVES_FOR_INTERVAL:
+        raise TieredError(f"{count} save(s) recorded, fewer than {MIN_SAVES_FOR_INTERVAL}: too few to tell how "
+                          f"often the job saves; {ask}")
+    minutes = gaps["median"] / 60
+    if minutes < MIN_INTERVAL_MIN:
+        raise TieredError(f"the recorded saves are {gaps['median']:.3g} s apart (median of {count}), under a minute: "
+                          f"a test or a demo, not a training job's cadence; {ask}")
+    return minutes
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -114,7 +130,8 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> 
     co.add_argument("--gpus", type=_positive(int), required=True, metavar="N", help="GPUs of the training job")
     co.add_argument("--gpu-hour", type=_positive(float), required=True, metavar="USD", help="price of a GPU-hour")
     co.add_argument("--interval", type=_positive(float), metavar="MIN",
-                    help="minutes between saves (default: the recorded saves' median interval)")
+                    help="minutes between saves (default: the recorded saves' median interval, where at least "
+                         f"{MIN_SAVES_FOR_INTERVAL} saves a minute or more apart were recorded)")
     co.add_argument("--disk-gbps", type=_positive(float), metavar="GB/S",
                     help="disk rate for the uncompressed synchronous baseline (default: the fast tier's probed "
                          "bandwidth, else the fastest recorded save)")

@@ -112,7 +112,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def monthly_cost(summary: dict[str, Any], tiers: Sequence[Any], *, gpus: int, gpu_hour: float, interval_min: float,
-                 disk_rate: tuple[float, str]) -> dict[str, Any]:
+                 disk_rate: tuple[float, str], interval_from: str) -> dict[str, Any]:
     """A month of saves every `interval_min` on `gpus` GPUs at `gpu_hour` USD per GPU-hour, from
     the recorded saves (per-GPU bytes scaled to `gpus`), beside the same saves uncompressed and
     synchronous (``torch.save`` of the raw bytes at `disk_rate` (bytes/s, where it came from)).
@@ -157,7 +157,24 @@ def monthly_cost(summary: dict[str, Any], tiers: Sequence[Any], *, gpus: int, gp
                  f"{saves:.0f} steps x {format_size(stored * gpus)} = {gb:,.0f} GB x ${t.egress_per_gb}/GB", origin)
     total, base = sum(x["usd"] for x in lines), sum(x["baseline_usd"] for x in lines)
     return {"saves_per_month": saves, "gpus": gpus, "gpu_hour": gpu_hour, "interval_min": interval_min,
-            "lines": lines, "total_usd": total, "baseline_usd": base, "saving_usd": base - total}
+            "interval_from": interval_from, "lines": lines, "total_usd": total, "baseline_usd": base,
+            "saving_usd": base - total,
+            "why_no_saving": _why_no_saving(stall, base_stall, per_gpu_stored, per_gpu_raw) if base < total else None}
+
+
+def _why_no_saving(stall: float, base_stall: float, stored: float, raw: float) -> str:
+    """Why these records cost more than uncompressed synchronous saves: said, not left as a
+    negative number."""
+    why = []
+    if stall >= base_stall:
+        why.append(f"the recorded saves stalled training {1e3 * stall:.1f} ms (median), no less than writing the raw "
+                   f"bytes at the disk rate would ({1e3 * base_stall:.1f} ms)")
+    if stored >= raw * 0.99:
+        why.append(f"they stored {100 * stored / raw:.0f}% of the raw bytes: this state hardly compresses with the "
+                   f"codecs used (a CPU run with `codec: none` or random data is like this)")
+    if not why:
+        why.append("storage and transfer at these prices outweigh the GPU time saved at this interval")
+    return "; ".join(why)
 
 
 def _usd(x: float) -> str:
@@ -165,15 +182,19 @@ def _usd(x: float) -> str:
 
 
 def format_cost(cost: dict[str, Any]) -> str:
-    out = [f"a month of saves every {cost['interval_min']:g} min on {cost['gpus']} GPUs at "
-           f"${cost['gpu_hour']}/GPU-hour ({cost['saves_per_month']:.0f} saves):", "",
+    out = [f"a month of saves every {cost['interval_min']:g} min ({cost['interval_from']}) on "
+           f"{cost['gpus']} GPUs at ${cost['gpu_hour']}/GPU-hour ({cost['saves_per_month']:,.0f} saves):", "",
            f"{'item':<28} {'tiered':>14} {'uncompressed, synchronous':>27}"]
     for x in cost["lines"]:
         out.append(f"{x['item']:<28} {_usd(x['usd']):>14} {_usd(x['baseline_usd']):>27}")
         out.append(f"    {x['how']}")
         out.append(f"    from {x['from']}")
-    out += [f"{'total':<28} {_usd(cost['total_usd']):>14} {_usd(cost['baseline_usd']):>27}",
-            f"saving: ${cost['saving_usd']:,.0f} a month"]
+    out.append(f"{'total':<28} {_usd(cost['total_usd']):>14} {_usd(cost['baseline_usd']):>27}")
+    if cost["why_no_saving"]:
+        out.append(f"no saving: tiered costs ${-cost['saving_usd']:,.0f} a month more than the baseline here, because "
+                   f"{cost['why_no_saving']}")
+    else:
+        out.append(f"saving: ${cost['saving_usd']:,.0f} a month")
     return "\n".join(out)
 
 
