@@ -3,10 +3,9 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from helpers import new_bucket, running_s3
-from tiered.gpu.runtime import gpu_stack_available
 
+from tiered.gpu.runtime import gpu_stack_available
 
 HAS_GPU = gpu_stack_available()
 

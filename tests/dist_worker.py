@@ -21,10 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import exit_without_teardown  # (this script's folder is first on sys.path)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from helpers import exit_without_teardown  # (this script's folder is first on sys.path)
 from tiered.dcp import GpuStager, SafeLoadPlanner, TieredStorageReader, TieredStorageWriter
 from tiered.engine import Engine
 

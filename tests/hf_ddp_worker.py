@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import exit_without_teardown, weights_digest  # noqa: E402
 from test_hf import _losses, _trainer  # noqa: E402

@@ -10,15 +10,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import HAS_GPU
+from helpers import assert_same, trained_model
 
 import tiered
 from tiered.config import ZstdSettings
-from tiered.gpu.recode import GpuRecoder
 from tiered.format import tree
-from tiered.stage.plan import make_plan
+from tiered.gpu.recode import GpuRecoder
 from tiered.observe.probe import Sample, measure, sample_positions, tier_bandwidth
-from conftest import HAS_GPU
-from helpers import assert_same, trained_model
+from tiered.stage.plan import make_plan
 
 
 @pytest.mark.parametrize("sizes, chunk, n, expected", [

@@ -83,6 +83,7 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
     answered no request from the stall until all saves were durable, while the migrator kept
     trying. Once S3 answers again, the migrator's retries bring every step down."""
     from s3proxy import FaultProxy
+
     from tiered.migrate import migrator
 
     monkeypatch.setattr(migrator, "RETRY_FIRST_S", 0.5)

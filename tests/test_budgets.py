@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tiered
-from tiered.stage import budgets
 from tiered.config import ConfigError, load_config
+from tiered.stage import budgets
 from tiered.stage.pools import HostPool, RowRing
 from tiered.tiers.local import IO_TASK, LocalDataWriter
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import assert_same, mixed_state
 
 import tiered
 from tiered.cli import main, restore_main
-from helpers import assert_same, mixed_state
 
 
 def write_config(tmp_path: Path, s3=None, bucket=None, **local) -> Path:

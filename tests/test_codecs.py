@@ -227,10 +227,10 @@ def _staged(state: dict, emit):
     """Stage `state` (GPU tensors) with ans on a GpuDevice of its own (64 KiB chunks, a pack buffer
     of four, a 64 MiB slab), handing each wave's segment to `emit`; returns the device."""
     from tiered.config import Budgets
+    from tiered.format.tree import flatten
     from tiered.gpu.device import GpuDevice
     from tiered.stage.plan import make_plan
     from tiered.stage.pools import HostPool
-    from tiered.format.tree import flatten
 
     dev = GpuDevice(torch.cuda.current_device(), _CS, Budgets(gpu_buffer=64 << 20, pack_buffer=4 * _CS),
                     ZstdSettings(), HostPool(16 << 20))

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from helpers import s3_client
+
 from tiered import Engine
 from tiered.cli import main as cli
 from tiered.errors import TieredError

@@ -79,8 +79,8 @@ class Ledger:
         self.checked = 0
 
     def check(self) -> None:
-        from tiered.tiers.catalog import TierCatalog
         from tiered.cli.commands import verify_steps
+        from tiered.tiers.catalog import TierCatalog
 
         with Engine.from_config({**yaml.safe_load(Path(self.cfg).read_text()), "migration": "external"}) as engine:
             committed = engine.committed()

@@ -42,9 +42,9 @@ def test_threads_told_a_gpu_make_it_current_first(monkeypatch, tmp_path):
     on: each makes it current before its first CUDA call (a thread's own is GPU 0). The
     migrator's thread and pool are made so. (On a 2-GPU machine, test_an_engine_on_gpu_1_...
     checks the contexts themselves.)"""
+    from tiered.config import load_config
     from tiered.migrate import migrator
     from tiered.tiers.catalog import TierCatalog
-    from tiered.config import load_config
 
     made: list = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: made.append((threading.current_thread().name, i)))

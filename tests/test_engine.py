@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same, clone_state, mixed_state, trained_model, zeros_like_state
 
 import tiered
 from tiered.format.manifest import RankIndex
-from helpers import assert_same, clone_state, mixed_state, trained_model, zeros_like_state
 
 
 def test_mixed_state_round_trip_in_place(tier_config, device):

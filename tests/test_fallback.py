@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same, mixed_state, zeros_like_state
 
 import tiered
-from helpers import assert_same, mixed_state, zeros_like_state
 
 
 def two_tiers(tmp_path: Path, fast_codec: str) -> dict:

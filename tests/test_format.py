@@ -7,11 +7,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tiered
-from tiered.format.manifest import MANIFEST_VERSION, Manifest, RankIndex, seal_manifest
 from tiered.errors import FormatError
+from tiered.format.manifest import MANIFEST_VERSION, Manifest, RankIndex, seal_manifest
 
 
 @pytest.fixture
@@ -222,7 +223,8 @@ def test_a_save_writes_its_index_with_no_record_object_per_tensor(tmp_path, monk
     generation and set off full passes over the training process every few saves.
     The index reads back as the same records."""
     import tiered
-    from tiered.format import chunks, manifest as fmt
+    from tiered.format import chunks
+    from tiered.format import manifest as fmt
 
     made = []
 

@@ -12,9 +12,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same, mixed_state, zeros_like_state
 
 import tiered
-from helpers import assert_same, mixed_state, zeros_like_state
 from tiered import threads
 from tiered.format.checksum import wsum64
 from tiered.format.chunks import ALIGNMENT

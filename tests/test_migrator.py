@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same, mixed_state, trained_model
 
 import tiered
 from tiered.migrate.migrator import GpuRecoder, migrate_step
-from helpers import assert_same, mixed_state, trained_model
 
 
 def cluster(tmp_path: Path, codec: str, s3=None, bucket=None, migration: str = "external") -> dict:
@@ -322,9 +322,9 @@ def test_many_small_ans_tensors_of_mixed_dtypes_recompress_in_windows_across_ten
 
 
 def test_ans_source_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
+    from tiered.config import ZstdSettings
     from tiered.format.manifest import CodecSpec, TensorRecord
     from tiered.migrate.copy_rank import gpu_decoded_chunks, tensor_chunks
-    from tiered.config import ZstdSettings
 
     rec = TensorRecord(index=0, name="w", dtype="float32", shape=(10,), device="cuda:0", is_numpy=False,
                        codec=CodecSpec.of("ans", data_type="<f4"),
@@ -491,6 +491,7 @@ def test_gpu_made_s3_copy_restores_without_a_gpu(tmp_path, s3_server, s3_bucket)
     import json
 
     from helpers import fixture_state
+
     from tiered.tiers import PosixTier
 
     provenance = json.loads((GPU_MIGRATED / "PROVENANCE.json").read_text())
@@ -598,8 +599,8 @@ def test_recompressed_chunks_are_gathered_padded_and_written_bit_exact(tmp_path)
 def test_a_copy_reads_small_windows_first_then_doubles_them(tmp_path):
     """A migration's first bytes reach the target after one small read, not after 64 MiB read and
     verified: windows start at FIRST_WINDOW_BYTES and double up to WINDOW_BYTES."""
-    from tiered.stage.cpu import FIRST_WINDOW_BYTES, WINDOW_BYTES, chunk_windows, file_order
     from tiered.format.manifest import present_ranks
+    from tiered.stage.cpu import FIRST_WINDOW_BYTES, WINDOW_BYTES, chunk_windows, file_order
 
     mib = 1 << 20
     state = {f"t{i}": torch.arange(i, i + 6 * mib // 4, dtype=torch.float32) for i in range(40)}  # 240 MiB
@@ -628,8 +629,8 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
     import threading
     import time
 
-    from tiered.stage.cpu import WindowBuffers, chunk_windows, file_order
     from tiered.format.manifest import present_ranks
+    from tiered.stage.cpu import WindowBuffers, chunk_windows, file_order
     from tiered.tiers.posix import SHARED_PARALLEL_READS
 
     class Recorder:
@@ -707,8 +708,8 @@ def test_a_chunk_stored_as_it_is_is_re_encoded_from_the_bytes_read_and_its_size_
 
     from tiered.codecs import get_codec
     from tiered.config import ZstdSettings
-    from tiered.stage.cpu import decoded
     from tiered.format.manifest import read_manifest, read_rank_index
+    from tiered.stage.cpu import decoded
 
     w = torch.randn(3000, generator=torch.Generator().manual_seed(2))
     with tiered.Engine.from_config(cluster(tmp_path, codec)) as engine:
@@ -734,8 +735,8 @@ def test_recompression_hands_the_pool_runs_of_small_chunks_and_still_names_a_dam
     restores bit-exact), and a damaged chunk inside a run is still reported by its tensor."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tiered.migrate import copy_rank
     from tiered.format.manifest import read_manifest, read_rank_index
+    from tiered.migrate import copy_rank
 
     class Counting(ThreadPoolExecutor):
         tasks = 0

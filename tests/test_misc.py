@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tiered.format import tree
 from tiered.errors import StateDictError
+from tiered.format import tree
 from tiered.format.checksum import to_u64, wsum64, wsum64_each, wsum64_extents, wsum64_rows_torch
 from tiered.stage.pools import RowRing
 

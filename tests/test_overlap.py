@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from helpers import trained_model
 
 import tiered
 from tiered.stage import overlap
-from helpers import trained_model
 
 
 def _state(model, opt) -> dict:
@@ -114,6 +114,7 @@ def test_distributed_items_are_the_optimizers_own_tensors():
     very objects the optimizer holds, so a guarded save finds them by identity (a
     detached alias of every Adam moment made 2-rank saves strict, 614 ms a save at 24 GB)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
+
     from tiered.distributed.storage import StepWriter
 
     model, opt = trained_model("cpu", steps=1)

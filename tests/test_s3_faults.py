@@ -25,13 +25,13 @@ import time
 import pytest
 import torch
 import yaml
-
 from helpers import new_bucket, running_s3, s3_client
 from s3proxy import FaultProxy
+
 from tiered import Engine
-from tiered.migrate import migrator
 from tiered.cli import main as cli
 from tiered.errors import TieredError
+from tiered.migrate import migrator
 
 TRIALS = int(os.environ.get("TIERED_S3_FAULT_TRIALS", "1"))
 STEP_FILES = {"MANIFEST.json", "rank_00000.index.json", "rank_00000.data"}

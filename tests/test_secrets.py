@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import s3_client
+
 from tiered import Engine
 from tiered.errors import TieredError
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same, trained_model
 
 import tiered
 from tiered.stage.stage_after import AUTO_MAX_MS, READ_MARGIN, StageAfter, stage_after_seconds
-from helpers import assert_same, trained_model
 
 
 def _steps(stage: StageAfter, opt: object, n: int, every: float) -> None:

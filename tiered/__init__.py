@@ -9,8 +9,16 @@
 
 from tiered.config import Config, load_config
 from tiered.engine import Engine, SaveHandle
-from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, ConfigError,
-                           CorruptionError, FormatError, StateDictError, TieredError)
+from tiered.errors import (
+                           BackgroundSaveError,
+                           CheckpointNotFoundError,
+                           CodecUnavailableError,
+                           ConfigError,
+                           CorruptionError,
+                           FormatError,
+                           StateDictError,
+                           TieredError,
+)
 from tiered.version import __version__
 
 __all__ = [

@@ -24,16 +24,16 @@ from typing import Any, Sequence
 
 import torch
 
-from tiered.format import tree
-from tiered.tiers.catalog import TierCatalog, saved_through_dcp
 from tiered.config import Config, ConfigInput, load_config
 from tiered.errors import TieredError
+from tiered.format import tree
 from tiered.format.manifest import Manifest, RankIndex
-from tiered.save.handle import SaveHandle
+from tiered.gpu.runtime import Workers
 from tiered.observe.records import read_records, records_root
 from tiered.restore.pipeline import Restorer
-from tiered.gpu.runtime import Workers
+from tiered.save.handle import SaveHandle
 from tiered.save.pipeline import SavePipeline
+from tiered.tiers.catalog import TierCatalog, saved_through_dcp
 
 __all__ = ["Engine", "SaveHandle"]
 

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from tiered.tiers.catalog import TierCatalog
 from tiered.errors import TieredError
 from tiered.observe.probe import cached_bandwidth
 from tiered.observe.records import read_records, records_root
 from tiered.observe.stats import format_cost, format_prometheus, format_summary, monthly_cost, summarize
+from tiered.tiers.catalog import TierCatalog
 from tiered.tiers.local import replace_durably
 
 EXIT_OK = 0

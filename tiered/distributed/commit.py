@@ -22,13 +22,19 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
-from tiered.format import checksum, tree
 from tiered.errors import FormatError, TieredError
+from tiered.format import checksum, tree
 from tiered.format.manifest import DTYPES, FileEntry, Manifest, RankEntry, dtype_name
 from tiered.units import format_size
 from tiered.version import __version__

@@ -18,9 +18,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from tiered.errors import CorruptionError, FormatError
 from tiered.format import checksum
 from tiered.format.chunks import ALIGNMENT, ChunkRecord, ChunkTable
-from tiered.errors import CorruptionError, FormatError
 from tiered.format.tree import collector_paused, shares, walk_leaves
 
 FORMAT_VERSION = 1

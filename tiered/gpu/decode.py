@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered.format.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
+from tiered.format.checksum import unsigned, wsum64_rows_torch
 from tiered.format.manifest import ALIGNMENT, TensorRecord, chunk_corruption
 from tiered.gpu.layout import PACK_ALIGN, bytes_of, file_runs, wave_bounds
 from tiered.tiers.local import drain_quietly, wait_futures

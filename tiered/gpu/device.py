@@ -29,17 +29,17 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from tiered.gpu import pack as gpu_checksum
-from tiered.stage.budgets import auto_gpu_buffer
-from tiered.format.checksum import unsigned, wsum64_rows_torch
 from tiered.codecs import get_codec
 from tiered.config import Budgets, ZstdSettings
 from tiered.errors import TieredError
+from tiered.format.checksum import unsigned, wsum64_rows_torch
 from tiered.format.chunks import ALIGNMENT, extent_runs
 from tiered.format.manifest import TensorRecord
+from tiered.gpu import pack as gpu_checksum
+from tiered.gpu.decode import CHECKSUM_ROWS, restore_on
 from tiered.gpu.layout import Layout, Span
 from tiered.gpu.waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, encode_slots
-from tiered.gpu.decode import CHECKSUM_ROWS, restore_on
+from tiered.stage.budgets import auto_gpu_buffer
 from tiered.stage.host_copy import HostCopier
 from tiered.stage.plan import TensorPlan
 from tiered.stage.pools import HostPool, RowRing, WavePages

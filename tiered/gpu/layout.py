@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tiered.format.chunks import greedy_runs
 from tiered.codecs import get_codec
 from tiered.codecs.base import Codec
 from tiered.config import ZstdSettings
+from tiered.format.chunks import greedy_runs
 from tiered.stage.plan import ChunkRef, Runs, TensorPlan, chunk_refs
 from tiered.units import round_up
 

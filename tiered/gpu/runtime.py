@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from tiered import threads
-from tiered.stage.budgets import auto_host_buffer, host_available, local_ranks
 from tiered.config import Config
+from tiered.stage.budgets import auto_host_buffer, host_available, local_ranks
 from tiered.stage.pools import PIN_BLOCK, HostPool
 from tiered.units import format_size
 

@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered.format.checksum import unsigned
 from tiered.codecs.base import Codec, PendingSizes
+from tiered.format.checksum import unsigned
 from tiered.stage.plan import ChunkRef
 
 

@@ -22,10 +22,10 @@ import torch
 
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.format.checksum import wsum64
-from tiered.stage.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decoded, read_chunk, verified
 from tiered.errors import CodecUnavailableError
+from tiered.format.checksum import wsum64
 from tiered.format.manifest import ALIGNMENT, DTYPES, ChunkTable, CodecSpec, RankIndex, TensorRecord
+from tiered.stage.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decoded, read_chunk, verified
 from tiered.units import round_up
 
 if TYPE_CHECKING:

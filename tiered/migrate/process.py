@@ -162,10 +162,10 @@ class MigratorProcess(MigrationLedger):
 
 def _child() -> int:
     """The child process: a BackgroundMigrator fed from stdin, reporting on stdout."""
-    from tiered.tiers.catalog import TierCatalog
     from tiered.config import load_config
-    from tiered.migrate.migrator import BackgroundMigrator, lower_process_priority, make_gpu_recoder
     from tiered.gpu.runtime import gpu_stack_available
+    from tiered.migrate.migrator import BackgroundMigrator, lower_process_priority, make_gpu_recoder
+    from tiered.tiers.catalog import TierCatalog
 
     handler = logging.StreamHandler(sys.stderr)  # its own progress, in the engine's stderr; not other libraries'
     handler.setFormatter(logging.Formatter("%(message)s"))

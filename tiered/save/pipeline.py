@@ -44,27 +44,34 @@ from typing import Any, Callable
 import torch
 
 from tiered import threads
-
-from tiered.format import tree
-
-from tiered.stage import cpu, host_copy
-from tiered.tiers.catalog import TierCatalog
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
+from tiered.format import tree
 from tiered.format.manifest import Manifest
-from tiered.save.handle import RankFiles, SaveHandle
-from tiered.stage.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
-                            to_clone)
-from tiered.stage.plan import PlanCache, SavePlan, make_plan
-from tiered.save.fast_codec import FastTierCodec
-from tiered.observe.records import RecordLog, records_root, save_record
 from tiered.gpu.runtime import Workers
-from tiered.save.write import END, Abort, Job, complete_after, drain, settle, write_rank
-from tiered.stage.stage_after import StageAfter, stage_after_seconds
+from tiered.observe.records import RecordLog, records_root, save_record
+from tiered.observe.watch import Watch
+from tiered.save.fast_codec import FastTierCodec
+from tiered.save.handle import RankFiles, SaveHandle
 from tiered.save.placement import StepTier
+from tiered.save.write import END, Abort, Job, complete_after, drain, settle, write_rank
+from tiered.stage import cpu, host_copy
+from tiered.stage.overlap import (
+    Guard,
+    Guarded,
+    Learned,
+    clone_after,
+    deferred_plan,
+    overlap_plan,
+    recorded,
+    say_new,
+    to_clone,
+)
+from tiered.stage.plan import PlanCache, SavePlan, make_plan
+from tiered.stage.stage_after import StageAfter, stage_after_seconds
+from tiered.tiers.catalog import TierCatalog
 from tiered.units import format_size
 from tiered.version import __version__
-from tiered.observe.watch import Watch
 
 log = logging.getLogger("tiered")
 

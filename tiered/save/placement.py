@@ -7,10 +7,10 @@ import logging
 import shutil
 from typing import Any, Sequence
 
-from tiered.tiers.catalog import TierCatalog
 from tiered.config import Config
 from tiered.errors import TieredError
 from tiered.format.manifest import ALIGNMENT
+from tiered.tiers.catalog import TierCatalog
 from tiered.units import format_size
 
 log = logging.getLogger("tiered")

@@ -16,16 +16,23 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from tiered.format import checksum
-
-from tiered.stage import cpu, host_copy
 from tiered.config import Config
 from tiered.errors import TieredError
-from tiered.format.manifest import ALIGNMENT, ChunkTable, RankEntry, data_file_name, dtype_name, index_file_name, index_json
+from tiered.format import checksum
+from tiered.format.manifest import (
+    ALIGNMENT,
+    ChunkTable,
+    RankEntry,
+    data_file_name,
+    dtype_name,
+    index_file_name,
+    index_json,
+)
+from tiered.gpu.runtime import Workers
 from tiered.gpu.write import RowsWriter
 from tiered.save.handle import RankFiles, SaveHandle
+from tiered.stage import cpu, host_copy
 from tiered.stage.plan import SavePlan
-from tiered.gpu.runtime import Workers
 from tiered.units import round_up
 
 END = object()

@@ -16,10 +16,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from tiered.format.checksum import wsum64, wsum64_each
 from tiered.codecs import get_codec
 from tiered.config import ZstdSettings
 from tiered.errors import CodecUnavailableError, CorruptionError
+from tiered.format.checksum import wsum64, wsum64_each
 from tiered.format.chunks import ALIGNMENT, extent_runs, greedy_runs
 from tiered.format.manifest import TensorRecord, chunk_corruption
 from tiered.stage.plan import ChunkRef, Runs, TensorPlan, chunk_refs

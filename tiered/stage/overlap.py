@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from tiered.stage.plan import SavePlan
 from tiered.format.tree import PLAIN_TENSORS
+from tiered.stage.plan import SavePlan
 from tiered.units import format_size
 
 log = logging.getLogger("tiered")

@@ -16,13 +16,21 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name, step_dir_name
+from tiered.format.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    parse_step_dir,
+    rank_file_names,
+    safe_name,
+    step_dir_name,
+)
 from tiered.tiers.base import committed_error
 from tiered.units import round_up
 
