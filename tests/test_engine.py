@@ -229,6 +229,8 @@ def test_corrupted_index_is_reported(tmp_path, tier_config):
 
 
 def test_background_failure_is_raised_on_next_save_then_recovers(tier_config, monkeypatch):
+    """With `on_save_failure: raise`, the next call raises a background failure (the default,
+    `warn`, lets training go on: tests/test_save_failures.py)."""
     from tiered.tiers import local
 
     real = local.LocalDataWriter.write_host
@@ -238,7 +240,7 @@ def test_background_failure_is_raised_on_next_save_then_recovers(tier_config, mo
         calls["n"] += 1
         raise OSError(28, "No space left on device")
 
-    with tiered.Engine.from_config(tier_config()) as engine:
+    with tiered.Engine.from_config({**tier_config(), "on_save_failure": "raise"}) as engine:
         monkeypatch.setattr(local.LocalDataWriter, "write_host", failing)
         handle = engine.save(1, {"w": torch.randn(1000)})
         with pytest.raises(tiered.BackgroundSaveError, match="No space left"):
@@ -262,12 +264,18 @@ def test_background_failure_is_raised_by_wait(tier_config, monkeypatch):
     def failing(self, step, data):
         raise OSError(5, "Input/output error")
 
-    with tiered.Engine.from_config(tier_config()) as engine:
+    with tiered.Engine.from_config({**tier_config(), "on_save_failure": "raise"}) as engine:
         monkeypatch.setattr(local.LocalTier, "commit", failing)
         engine.save(1, {"w": torch.randn(10)})
         with pytest.raises(tiered.BackgroundSaveError, match="Input/output error"):
             engine.wait()
         engine.wait()  # raised once, not forever
+    with tiered.Engine.from_config(tier_config()) as engine:  # warn: recorded, and wait() does not raise
+        monkeypatch.setattr(local.LocalTier, "commit", failing)
+        h = engine.save(2, {"w": torch.randn(10)})
+        engine.wait()
+        assert isinstance(h.persisted.exception(), tiered.BackgroundSaveError)
+        assert [r["step"] for r in engine.stats() if r["kind"] == "save_failed"] == [1, 2]  # (one records dir)
 
 
 @pytest.mark.parametrize("codec", ["zstd", "ans", "none"])

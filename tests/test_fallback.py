@@ -96,7 +96,6 @@ def test_naming_a_tier_reads_it_and_falls_back_only_downwards(tmp_path):
 def test_retention_evicts_from_the_fast_tier_once_the_slower_tier_has_it(tmp_path):
     cfg = two_tiers(tmp_path, "zstd")
     cfg["tiers"][0]["keep_last"] = 2
-    cfg["tiers"][1]["keep_last"] = 1  # the last tier keeps everything regardless
     w = {"w": torch.randn(10_000)}
     with tiered.Engine.from_config(cfg) as engine:
         for step in (1, 2, 3, 4):
@@ -104,6 +103,19 @@ def test_retention_evicts_from_the_fast_tier_once_the_slower_tier_has_it(tmp_pat
         engine.wait_migrated(timeout=120)
         assert engine.steps("local") == [3, 4] and engine.steps("shared") == [1, 2, 3, 4]
         assert torch.equal(engine.load(1)["w"], w["w"])
+
+
+def test_the_last_tier_is_bounded_by_its_rules_too(tmp_path):
+    cfg = two_tiers(tmp_path, "zstd")
+    cfg["tiers"][0]["keep_last"] = 2
+    cfg["tiers"][1]["keep_last"] = 3
+    w = {"w": torch.randn(10_000)}
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in range(1, 7):
+            engine.save(step, w).wait()
+            engine.wait_migrated(timeout=120)
+        assert engine.steps("local") == [5, 6] and engine.steps("shared") == [4, 5, 6]
+        assert torch.equal(engine.load(4)["w"], w["w"])
 
 
 def test_gpu_only_codec_without_a_gpu_reads_those_tensors_from_a_portable_tier(tmp_path, caplog):

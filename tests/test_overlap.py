@@ -360,7 +360,7 @@ def test_a_deferred_save_of_a_state_that_cannot_be_stored_fails_at_the_next_call
     """The stager finds what the call did not look at: the save fails in the background, naming
     what is wrong, nothing of the step is left behind, and later saves go on."""
     model, opt = trained_model("cpu", steps=1)
-    with tiered.Engine.from_config(tier_config()) as engine:
+    with tiered.Engine.from_config({**tier_config(), "on_save_failure": "raise"}) as engine:
         engine.guard(opt, defer_walk=True)
         engine.save(1, _state(model, opt)).wait()
         engine.save(2, {**_state(model, opt), "bad": object()})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.policy import (CodecSample, choose_codec, evictable, keep_by_rules, latest_restorable,
-                           restore_source, time_to_durable)
+from tiered.policy import (CodecSample, Retention, choose_codec, evictable, eviction_reasons, keep_by_rules,
+                           latest_restorable, restore_source, time_to_durable)
 
 GB = 1e9
 # Illustrative figures: ANS speed from the design brief, ratios and GPU zstd speed in the range of
@@ -77,17 +77,45 @@ ORDER = ["nvme", "lustre", "s3"]
     # Beyond keep_last, but only steps already committed on a slower tier go.
     dict(tier="nvme", committed={"nvme": {1, 2, 3, 4}, "lustre": {1, 2}, "s3": set()}, keep_last=2, expected={1, 2}),
     dict(tier="nvme", committed={"nvme": {1, 2, 3, 4}, "lustre": set(), "s3": {1}}, keep_last=2, expected={1}),
-    # Not yet migrated anywhere: nothing goes, whatever the rules say.
+    # Not yet migrated anywhere, and the tiers below keep everything: nothing goes.
     dict(tier="nvme", committed={"nvme": {1, 2, 3}, "lustre": set(), "s3": set()}, keep_last=1, expected=set()),
-    # The slowest tier never deletes the last copy of a step.
-    dict(tier="s3", committed={"nvme": {3}, "lustre": set(), "s3": {1, 2, 3}}, keep_last=1, expected=set()),
+    # The last tier is bounded by its rules too; its newest step stays.
+    dict(tier="s3", committed={"nvme": {3}, "lustre": set(), "s3": {1, 2, 3}}, keep_last=1, expected={1, 2}),
+    # ... but never the newest step committed anywhere, even where the rules alone would let it go.
+    dict(tier="s3", committed={"nvme": set(), "lustre": set(), "s3": {4, 5}}, keep_last=None, keep_every=4,
+         expected=set()),
+    dict(tier="s3", committed={"nvme": set(), "lustre": set(), "s3": {3, 4, 5}}, keep_last=None, keep_every=4,
+         expected={3}),
     # A copy on a *faster* tier does not count: it may be evicted next.
     dict(tier="lustre", committed={"nvme": {1, 2}, "lustre": {1, 2}, "s3": set()}, keep_last=1, expected=set()),
     dict(tier="lustre", committed={"nvme": set(), "lustre": {1, 2, 3}, "s3": {1, 2, 3}}, keep_last=1, expected={1, 2}),
+    # Protected steps (a restore reads them, a migration copies them) never go.
+    dict(tier="lustre", committed={"nvme": set(), "lustre": {1, 2, 3}, "s3": {1, 2, 3}}, keep_last=1, protected={1},
+         expected={2}),
+    # One tier alone: its rules bound it.
+    dict(tier="nvme", committed={"nvme": {1, 2, 3, 4, 5}}, order=["nvme"], keep_last=2, expected={1, 2, 3}),
 ])
 def test_evictable(case):
     expected = case.pop("expected")
-    assert evictable(case.pop("tier"), case.pop("committed"), ORDER, keep_every=None, **case) == expected
+    tier, committed = case.pop("tier"), case.pop("committed")
+    order = case.pop("order", ORDER)
+    rules = {tier: Retention(keep_last=case.pop("keep_last"), keep_every=case.pop("keep_every", None))}
+    assert evictable(tier, committed, order, rules, case.pop("protected", ())) == expected
+
+
+@pytest.mark.parametrize("case", [
+    # A step beyond this tier's rules that every slower tier has let go does not stay here for ever.
+    dict(rules={"nvme": Retention(keep_last=2), "s3": Retention(keep_last=2)},
+         committed={"nvme": {3, 4, 5}, "s3": {4, 5}}, expected={3: "beyond the rules of this tier and of every tier "
+                                                                   "below it"}),
+    # ... but one a slower tier would still keep (its keep_every) waits until it holds it.
+    dict(rules={"nvme": Retention(keep_last=2), "s3": Retention(keep_last=2, keep_every=3)},
+         committed={"nvme": {3, 4, 5}, "s3": {4, 5}}, expected={}),
+    dict(rules={"nvme": Retention(keep_last=2), "s3": Retention(keep_last=2, keep_every=3)},
+         committed={"nvme": {3, 4, 5}, "s3": {3, 4, 5}}, expected={3: "beyond this tier's rules; kept on tier 's3'"}),
+])
+def test_eviction_reasons(case):
+    assert eviction_reasons("nvme", case["committed"], ["nvme", "s3"], case["rules"]) == case["expected"]
 
 
 @pytest.mark.parametrize("case", [

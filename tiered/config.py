@@ -19,7 +19,7 @@ from typing import Any, Mapping, Union
 import yaml
 
 from tiered.errors import ConfigError
-from tiered.units import parse_bandwidth, parse_size
+from tiered.units import parse_bandwidth, parse_duration, parse_size
 
 CONFIG_VERSION = 1
 CODEC_NAMES = ("ans", "zstd", "none")
@@ -122,6 +122,16 @@ class Config:
     on_fast_tier_error: str = "fail"
     """"fail": a save the fast tier cannot take fails with an error naming the cause. "next_tier":
     it is written to the next tier instead (see Engine.save)."""
+    on_save_failure: str = "warn"
+    """"warn": a save that fails in the background is logged at ERROR, recorded and not committed,
+    and training goes on; the next `save()` or `wait()` raises only once `max_failed_saves` saves
+    in a row have failed, or when a save fails and none has committed for
+    `max_time_without_commit`. "raise": the next `save()` or `wait()` raises every failure."""
+    max_failed_saves: int = 3
+    """With ``on_save_failure: warn``: this many failed saves in a row stop training."""
+    max_time_without_commit: float | None = None
+    """With ``on_save_failure: warn``: seconds without a committed save after which a failed save
+    stops training (None: no time bound)."""
     tiers: tuple[TierConfig, ...]
     document: Any = field(default=None, compare=False, repr=False)
     """The parsed YAML (or dict) this config was read from: what a child process reads it from."""
@@ -241,6 +251,18 @@ def _parse(data: object, source: str) -> Config:
     on_error = top.typed("on_fast_tier_error", str, "fail")
     if on_error not in ("fail", "next_tier"):
         raise top.error("on_fast_tier_error", f"expected fail or next_tier, got {on_error!r}")
+    on_failure = top.typed("on_save_failure", str, "warn")
+    if on_failure not in ("warn", "raise"):
+        raise top.error("on_save_failure", f"expected warn or raise, got {on_failure!r}")
+    max_failed = top.typed("max_failed_saves", int, 3)
+    if not 1 <= max_failed <= 1000:
+        raise top.error("max_failed_saves", f"must be 1..1000 (failed saves in a row), got {max_failed}")
+    unprotected = top.get("max_time_without_commit", None)
+    if unprotected is not None:
+        try:
+            unprotected = parse_duration(unprotected)
+        except ValueError as exc:
+            raise top.error("max_time_without_commit", str(exc)) from None
     raw_tiers = top.typed("tiers", list, required=True)
     top.finish()
     if not raw_tiers:
@@ -254,8 +276,48 @@ def _parse(data: object, source: str) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise ConfigError(f"{source}: tiers[{i}].name: duplicate tier name {name!r}")
+    _refuse_shared_storage(tiers, source)
     return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration,
-                  on_fast_tier_error=on_error, tiers=tiers, document=data)
+                  on_fast_tier_error=on_error, on_save_failure=on_failure, max_failed_saves=max_failed,
+                  max_time_without_commit=unprotected, tiers=tiers, document=data)
+
+
+def storage_of(tier: TierConfig) -> tuple[str, str]:
+    """Where a tier keeps its steps, as (store, path within it): a filesystem tier's directory
+    with symlinks and `..` resolved; an S3 tier's endpoint and bucket, and its prefix."""
+    if isinstance(tier, (LocalTierConfig, PosixTierConfig)):
+        return "file", os.path.realpath(os.path.abspath(tier.path))
+    assert isinstance(tier, S3TierConfig)
+    endpoint = (tier.endpoint_url or "aws").rstrip("/").lower()
+    return f"s3 {endpoint} {tier.bucket}", tier.prefix.strip("/")
+
+
+def _refuse_shared_storage(tiers: tuple[TierConfig, ...], source: str) -> None:
+    """Two tiers on one storage lose steps: one tier's retention deletes what the other counts
+    as its copy. Refuse the same or nested directories, and one bucket with overlapping prefixes."""
+    for i, a in enumerate(tiers):
+        for j in range(i):
+            b = tiers[j]
+            (store_a, path_a), (store_b, path_b) = storage_of(a), storage_of(b)
+            if store_a != store_b:
+                continue
+            if store_a == "file":
+                show_a, show_b, sep = path_a, path_b, os.sep
+            else:
+                _, endpoint, bucket = store_a.split(" ", 2)
+                at = "" if endpoint == "aws" else f" at {endpoint}"
+                show_a, show_b, sep = f"s3://{bucket}/{path_a}{at}", f"s3://{bucket}/{path_b}{at}", "/"
+            if path_a == path_b:
+                why = f"both use {show_a}"
+            elif not path_b or path_a.startswith(path_b + sep):
+                why = f"{show_a} lies inside {show_b}"
+            elif not path_a or path_b.startswith(path_a + sep):
+                why = f"{show_b} lies inside {show_a}"
+            else:
+                continue
+            raise ConfigError(f"{source}: tiers[{i}] ({a.name!r}) and tiers[{j}] ({b.name!r}) share one storage: "
+                              f"{why}. Give each tier a location of its own, neither inside the other: one tier's "
+                              "retention would delete the steps the other counts as its copy")
 
 
 def _parse_budgets(data: object, source: str, chunk_size: int) -> Budgets:

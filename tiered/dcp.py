@@ -19,14 +19,8 @@ from typing import Any
 
 import torch
 
-from tiered.distributed.storage import (
-    NotSavedThroughDcp,
-    SafeLoadPlanner,
-    StepReader,
-    StepWriter,
-    box_chunks,
-    item_name,
-)
+from tiered.distributed.storage import (NotSavedThroughDcp, SafeLoadPlanner, StepReader, StepWriter, box_chunks,
+                                        item_name)
 from tiered.engine import Engine
 
 __all__ = ["GpuStager", "NotSavedThroughDcp", "SafeLoadPlanner", "TieredStorageReader", "TieredStorageWriter",

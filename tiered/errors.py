@@ -46,3 +46,13 @@ class BackgroundSaveError(TieredError):
         super().__init__(f"background work of save(step={step}) failed: {why}")
         self.step = step
         self.__cause__ = cause
+
+
+class SaveFailuresExceeded(BackgroundSaveError):
+    """Saves kept failing under ``on_save_failure: warn`` (``max_failed_saves`` in a row, or none
+    committed for ``max_time_without_commit``): raised by the next ``save()`` or ``wait()``."""
+
+    def __init__(self, why: str, last: BackgroundSaveError):
+        TieredError.__init__(self, f"{why}; the last: {last}")
+        self.step = last.step
+        self.__cause__ = last

@@ -7,7 +7,7 @@ checkpoint's own data, tier bandwidth) and list (which steps each tier holds), t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,17 +71,54 @@ def keep_by_rules(steps: Sequence[int], *, keep_last: int | None, keep_every: in
     return keep
 
 
-def evictable(tier: str, committed: Mapping[str, set[int]], order: Sequence[str], *,
-              keep_last: int | None, keep_every: int | None) -> set[int]:
+@dataclass(frozen=True)
+class Retention:
+    """A tier's retention rules (no rule: keep everything)."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+
+    def keeps(self, steps: Iterable[int]) -> set[int]:
+        return keep_by_rules(sorted(set(steps)), keep_last=self.keep_last, keep_every=self.keep_every)
+
+
+def evictable(tier: str, committed: Mapping[str, set[int]], order: Sequence[str], rules: Mapping[str, Retention],
+              protected: Iterable[int] = ()) -> set[int]:
     """Steps `tier` may delete now.
 
-    A step beyond the tier's rules goes only once a *slower* tier (later in `order`) holds a
-    committed copy; the last committed copy of a step anywhere is never deleted.
+    A step beyond the tier's own rules goes, except:
+    - the newest step committed on any tier, and the `protected` ones (read by a restore, being
+      copied by a migration), never go;
+    - above the last tier, a step goes only once a *slower* tier (later in `order`) holds it
+      committed, or once no slower tier would keep it by its own rules (so a step every tier below
+      has let go does not stay on this one for ever). On the last tier the rules alone decide.
+    Tiers missing from `rules` keep everything.
     """
+    return set(eviction_reasons(tier, committed, order, rules, protected))
+
+
+def eviction_reasons(tier: str, committed: Mapping[str, set[int]], order: Sequence[str],
+                     rules: Mapping[str, Retention], protected: Iterable[int] = ()) -> dict[int, str]:
+    """`evictable`, with the reason each step may go (for the log and `tiered gc`)."""
     mine = committed.get(tier, set())
-    extra = mine - keep_by_rules(sorted(mine), keep_last=keep_last, keep_every=keep_every)
+    rule = rules.get(tier, Retention())
+    everywhere = set().union(*committed.values()) if committed else set()
+    newest = max(everywhere) if everywhere else None
+    held = set(protected)
     slower = order[order.index(tier) + 1:]
-    return {s for s in extra if any(s in committed.get(t, set()) for t in slower)}
+    out: dict[int, str] = {}
+    for step in sorted(mine - rule.keeps(mine)):
+        if step == newest or step in held:
+            continue
+        if not slower:
+            out[step] = "beyond this tier's rules; the last tier"
+            continue
+        holder = next((t for t in slower if step in committed.get(t, set())), None)
+        if holder is not None:
+            out[step] = f"beyond this tier's rules; kept on tier {holder!r}"
+        elif not any(step in rules.get(t, Retention()).keeps(committed.get(t, set()) | {step}) for t in slower):
+            out[step] = "beyond the rules of this tier and of every tier below it"
+    return out
 
 
 def restore_source(step: int, committed: Mapping[str, set[int]], order: Sequence[str],

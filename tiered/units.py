@@ -46,6 +46,25 @@ def parse_bandwidth(value: object) -> float:
     raise ValueError(f"expected a bandwidth such as '12GB/s', got {value!r}")
 
 
+_SECONDS = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from "90s", "30min", "2h", "1d" or a number of seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]+)?\s*", value.lower())
+        if not m or (m.group(2) or "s") not in _SECONDS:
+            raise ValueError(f"expected a duration such as '90s', '30min' or '2h', got {value!r}")
+        seconds = float(m.group(1)) * _SECONDS[m.group(2) or "s"]
+    else:
+        raise ValueError(f"expected a duration such as '90s', '30min' or '2h', got {value!r}")
+    if seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {value!r}")
+    return seconds
+
+
 def format_size(n: float) -> str:
     """"2.41 GB" style, decimal units as disks and networks quote them."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

@@ -17,12 +17,12 @@ import threading
 import time
 from typing import Any, Callable, Sequence, TextIO
 
-from tiered.tiers.catalog import TierCatalog
 from tiered.cli.stats import add_parsers as add_stats_parsers
 from tiered.config import load_config
 from tiered.errors import CheckpointNotFoundError, ConfigError, TieredError
 from tiered.format.manifest import present_ranks, read_pinned, read_step
 from tiered.restore.pipeline import verify_step
+from tiered.tiers.catalog import TierCatalog
 from tiered.units import format_rate, format_size
 
 log = logging.getLogger("tiered")
@@ -260,7 +260,7 @@ def verify_steps(catalog: TierCatalog, work: list[tuple[str, int]], *, quick: bo
 
 # --- tiered gc -----------------------------------------------------------------------------
 def cmd_gc(args: argparse.Namespace, catalog: TierCatalog) -> int:
-    from tiered.migrate.migrator import apply_retention
+    from tiered.tiers.retention import apply_retention
 
     rules = {t.name: t for t in catalog.config.tiers if t.retention}
     if not rules:
@@ -269,11 +269,11 @@ def cmd_gc(args: argparse.Namespace, catalog: TierCatalog) -> int:
     done = apply_retention(catalog.config, catalog.get, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     for name, t in rules.items():
-        steps = done.get(name, [])
+        steps = done.get(name, {})
         rule = ", ".join(f"{k} {getattr(t, k)}" for k in ("keep_last", "keep_every") if getattr(t, k) is not None)
         print(f"tier {name!r} ({rule}): {verb} {', '.join(map(str, steps)) if steps else 'nothing'}")
-    if catalog.config.tiers[-1].retention:
-        print(f"note: tier {catalog.names[-1]!r} is the last tier: tiered never deletes the only copy of a step there")
+        for step, why in steps.items():
+            print(f"  step {step}: {why}")
     return EXIT_OK
 
 
@@ -281,9 +281,10 @@ def cmd_gc(args: argparse.Namespace, catalog: TierCatalog) -> int:
 def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
+    from tiered.migrate.migrator import (MigrationLock, background_threads, lower_process_priority, make_gpu_recoder,
+                                         migrate_down, pending_steps)
     from tiered.stage.cpu import WindowBuffers
-    from tiered.migrate.migrator import (MigrationLock, apply_retention, background_threads, lower_process_priority,
-                                 make_gpu_recoder, migrate_down, pending_steps)
+    from tiered.tiers.retention import apply_retention
 
     config = catalog.config
     if len(config.tiers) < 2:
@@ -419,10 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ve.add_argument("--quick", action="store_true", help="checksums only, no decoding")
     ve.set_defaults(fn=cmd_verify)
     gc = sub.add_parser("gc", help="apply the tiers' retention rules (keep_last, keep_every)",
-                        description="Delete the steps each tier's keep_last / keep_every rules let go, but only "
-                                    "where a slower tier holds a committed copy: the last copy of a step is never "
-                                    "deleted, and the last tier keeps everything. The migrator does this after "
-                                    "each step; run it by hand after changing the rules.")
+                        description="Delete the steps each tier's keep_last / keep_every rules let go. Never the "
+                                    "newest step, never one a restore or a migration is reading; above the last "
+                                    "tier, only once a slower tier holds the step or no slower tier would keep it. "
+                                    "The last tier (or the only one) is bounded by its rules too. The engine and "
+                                    "the migrator apply the same rule after each save or copy; run it by hand "
+                                    "after changing the rules.")
     _common(gc)
     gc.add_argument("--dry-run", "-n", action="store_true", help="print what would be deleted; delete nothing")
     gc.set_defaults(fn=cmd_gc)

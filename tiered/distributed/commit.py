@@ -22,15 +22,8 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tiered.errors import FormatError, TieredError

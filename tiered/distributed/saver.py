@@ -47,16 +47,16 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tiered import threads
-
-from tiered.format import tree
 from tiered.distributed.commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
-                                      post_failure, results_of, store, wait_for_keys)
+                                       post_failure, results_of, store, wait_for_keys)
 from tiered.distributed.reuse import PlanReuse
 from tiered.distributed.storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
+from tiered.format import tree
 from tiered.format.manifest import Manifest, RankEntry
-from tiered.save.handle import SaveHandle
 from tiered.observe.records import save_record
+from tiered.save.handle import SaveHandle
+from tiered.tiers.leases import hold
 
 log = logging.getLogger("tiered")
 
@@ -252,8 +252,13 @@ class DistributedSaver:
                 manifest = self._commit(step, list(final.items), rank_handle, metadata, save_id)
             except BaseException as exc:  # noqa: BLE001 - surfaced by the next save()/wait()
                 err = exc if isinstance(exc, BackgroundSaveError) else BackgroundSaveError(step, exc)
-                log.error("tiered: %s", err)
-                self.saves.record_failure(err)
+                try:
+                    if not self.saves.tier.has_step(step):  # never committed: this rank's files go
+                        self.saves.tier.discard_rank(step, self.rank)
+                except Exception as cleanup:  # noqa: BLE001 - the save's own failure is what matters
+                    log.warning("tiered: step %d: cannot remove this rank's files: %s", step, cleanup)
+                then = self.saves.record_failure(err)
+                log.error("tiered: %s. The step is not committed and this rank's files are removed; %s", err, then)
                 if not handle.staged.done():
                     handle.staged.set_exception(err)
                 handle.persisted.set_exception(err)
@@ -385,6 +390,11 @@ def restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *, 
     ranks on rank 0), only cost time. One small all-gather after it keeps DCP's promise that a
     restore fails on every rank or on none: a rank that loaded its part raises too where another
     could not, naming that rank and why."""
+    with hold(order, step):  # retention leaves the step on these tiers while it is read
+        _restore_dcp(restorer, state_dict, step, order, strict=strict)
+
+
+def _restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *, strict: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 

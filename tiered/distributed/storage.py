@@ -29,41 +29,18 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner,
+                                                  WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from tiered import threads
-from tiered.distributed.commit import (
-    StoredItem,
-    adopt_in_background,
-    commit_step,
-    metadata_from_json,
-    multi_rank,
-    post_commit,
-    post_failure,
-    results_of,
-)
+from tiered.distributed.commit import (StoredItem, adopt_in_background, commit_step, metadata_from_json, multi_rank,
+                                       post_commit, post_failure, results_of)
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import tree
-from tiered.format.manifest import (
-    Manifest,
-    RankEntry,
-    RankIndex,
-    TensorRecord,
-    read_manifest,
-    read_pinned,
-    read_rank_index,
-)
+from tiered.format.manifest import (Manifest, RankEntry, RankIndex, TensorRecord, read_manifest, read_pinned,
+                                    read_rank_index)
 from tiered.restore.pipeline import STAGED_BYTES, ChunkRepair
 
 log = logging.getLogger("tiered")

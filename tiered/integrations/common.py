@@ -16,7 +16,7 @@ step does. Each path keeps its own pointer, with the rest of the checkpoint as i
 path was saved.
 
 Removing a path removes its pointer. The step's bytes follow the tiers' retention
-(``keep_last``/``keep_every``, `tiered gc`), which never deletes the only copy of a step.
+(``keep_last``/``keep_every``, applied after each save and by `tiered gc`).
 """
 
 from __future__ import annotations

@@ -22,28 +22,30 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
 from typing import Any, Callable
 
 from tiered import threads
-
-from tiered.format import checksum
 from tiered.codecs import get_codec_class
 from tiered.config import AUTO, CODEC_NAMES, CPU_DECODABLE_CODECS, TierConfig, ZstdSettings
-from tiered.migrate.copy_rank import Prefetched, copy_rank, target_spec
-from tiered.stage.cpu import WindowBuffers, read_chunk
 from tiered.errors import TieredError
-from tiered.format.manifest import (MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks, read_manifest,
-                           read_pinned, read_rank_index)
+from tiered.format import checksum
+from tiered.format.manifest import (MAX_INDEX_BYTES, Manifest, RankEntry, RankIndex, index_file_name, present_ranks,
+                                    read_manifest, read_pinned, read_rank_index)
 from tiered.gpu.recode import GpuRecoder, make_gpu_recoder
-from tiered.policy import choose_codec, evictable
+from tiered.migrate.copy_rank import Prefetched, copy_rank, target_spec
 from tiered.observe.probe import SAMPLE_CHUNKS, Sample, describe_samples, measure, sample_positions, tier_bandwidth
 from tiered.observe.records import RecordLog, migrate_record, records_root
+from tiered.policy import choose_codec
+from tiered.stage.cpu import WindowBuffers, read_chunk
+from tiered.tiers.leases import hold
+from tiered.tiers.retention import apply_retention
 from tiered.units import format_rate, format_size
 
-__all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLedger", "MigrationLock", "apply_retention", "background_threads",
+__all__ = ["BackgroundMigrator", "GpuRecoder", "MigrationLedger", "MigrationLock", "background_threads",
            "choose_tier_codec", "lower_priority", "lower_process_priority", "make_gpu_recoder", "migrate_down",
            "migrate_step", "pending_steps", "retry_delay", "target_spec"]
 
@@ -66,6 +68,14 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     """
     if dst.has_step(step):
         return None
+    with hold([src], step):  # retention leaves the step on `src` while it is copied
+        return _migrate_step(step, src, dst, codec=codec, settings=settings, pool=pool, gpu=gpu, progress=progress,
+                             buffers=buffers)
+
+
+def _migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: ZstdSettings,
+                  pool: ThreadPoolExecutor | None, gpu: "GpuRecoder | None", progress: Callable[[int], None] | None,
+                  buffers: WindowBuffers | None) -> Manifest | None:
     t0 = time.perf_counter()
     manifest = read_manifest(src, step)
     if manifest.dcp is not None:
@@ -200,29 +210,6 @@ def choose_tier_codec(step: int, src: Any, dst_config: TierConfig, dst: Any, *, 
     log.info("tiered: step %d on tier %r: codec %s (policy; tier writes %s; %s)", step, dst_config.name, choice,
              format_rate(bandwidth), describe_samples(samples))
     return choice
-
-
-def apply_retention(config: Any, get_tier: Callable[[str], Any], *, dry_run: bool = False) -> dict[str, list[int]]:
-    """Delete, per tier, the steps its `keep_last` / `keep_every` rules let go and that a slower
-    tier holds committed (`tiered.policy.evictable`). Returns {tier: steps deleted (or, with
-    `dry_run`, that would be)}. Tiers without rules are only listed, never changed."""
-    order = [t.name for t in config.tiers]
-    committed = {t.name: set(get_tier(t.name).steps()) for t in config.tiers}
-    out: dict[str, list[int]] = {}
-    for t in config.tiers:
-        if not t.retention:
-            continue
-        doomed = sorted(evictable(t.name, committed, order, keep_last=t.keep_last, keep_every=t.keep_every))
-        if doomed:
-            out[t.name] = doomed
-        if dry_run:
-            continue
-        tier = get_tier(t.name)
-        for step in doomed:
-            tier.delete(step)
-            committed[t.name].discard(step)
-            log.info("tiered: retention: deleted step %d from tier %r (kept on a slower tier)", step, t.name)
-    return out
 
 
 def pending_steps(config: Any, get_tier: Callable[[str], Any]) -> list[int]:

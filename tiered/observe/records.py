@@ -116,11 +116,19 @@ def read_records(root: Path | None) -> list[dict[str, Any]]:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and rec.get("kind") in ("save", "migrate") and isinstance(rec.get("time"), str):
+            if isinstance(rec, dict) and rec.get("kind") in KINDS and isinstance(rec.get("time"), str):
                 rec["source"] = path.name
                 out.append(rec)
     out.sort(key=lambda r: r["time"])
     return out
+
+
+KINDS = ("save", "migrate", "save_failed")
+
+
+def failure_record(step: int, tier: str, error: BaseException) -> dict[str, Any]:
+    """A save that failed in the background and was not committed."""
+    return {"kind": "save_failed", "step": step, "time": now(), "tier": tier, "error": str(error)[:2000]}
 
 
 def save_record(manifest: Any, tier: str, handle: Any, durable_s: float, codecs: list[str], io: str) -> dict[str, Any]:

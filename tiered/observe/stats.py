@@ -50,7 +50,9 @@ def _origin(recs: Sequence[dict]) -> str:
 def summarize(records: Sequence[dict]) -> dict[str, Any]:
     """Saves: stall, staged, durable, bytes, codecs. Each hop: copies, time, rate, lag."""
     saves = [r for r in records if r["kind"] == "save"]
-    out: dict[str, Any] = {"saves": None, "hops": []}
+    failed = [r for r in records if r["kind"] == "save_failed"]
+    out: dict[str, Any] = {"saves": None, "hops": [], "failures": {
+        "count": len(failed), "last": None if not failed else {k: failed[-1][k] for k in ("step", "time", "error")}}}
     if saves:
         raw, stored = sum(r["raw_bytes"] for r in saves), sum(r["stored_bytes"] for r in saves)
         gaps = [(record_time(b["time"]) - record_time(a["time"])).total_seconds() for a, b in zip(saves, saves[1:])]
@@ -89,8 +91,11 @@ def _sec(s: dict | None) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     s = summary["saves"]
+    failures = summary.get("failures") or {"count": 0}
+    failed = ([f"failed saves: {failures['count']} (not committed); the last, step {failures['last']['step']} at "
+               f"{failures['last']['time']}: {failures['last']['error']}"] if failures["count"] else [])
     if s is None:
-        return "no saves recorded yet"
+        return "\n".join(["no saves recorded yet"] + failed)
     lines = [f"saves: {s['count']} to tier {', '.join(s['tiers'])}, {s['ranks']} rank(s), "
              f"codecs {', '.join(s['codecs']) or '-'}",
              f"  training stall (save() blocked): {_ms(s['stall_s'])}",
@@ -101,6 +106,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if s["interval_s"] is not None:
         lines.append(f"  interval between saves: {s['interval_s']['median']:.1f} s (median)")
     lines.append(f"  from {s['from']}")
+    lines += failed
     for h in summary["hops"]:
         rate = "n/a" if h["gb_per_s"] is None else f"{h['gb_per_s']['median']:.2f} GB/s"
         lines += [f"migration {h['src']} -> {h['dst']}: {h['count']} step(s), {_sec(h['seconds'])} each, "
@@ -216,6 +222,8 @@ def format_prometheus(summary: dict[str, Any], records: Sequence[dict]) -> str:
 
     s = summary["saves"]
     saves = [r for r in records if r["kind"] == "save"]
+    metric("save_failures_total", "counter", "Saves that failed in the background (not committed).",
+           [({}, (summary.get("failures") or {"count": 0})["count"])])
     if s is not None:
         last = saves[-1]
         metric("saves_total", "counter", "Saves recorded.", [({}, s["count"])])

@@ -34,19 +34,18 @@ import numpy as np
 import torch
 
 from tiered import threads
-
-from tiered.format import tree
-
-from tiered.stage import cpu
-from tiered.tiers.catalog import TierCatalog, summarize
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.errors import (CheckpointNotFoundError, CodecUnavailableError, CorruptionError, FormatError,
-                           StateDictError, TieredError)
+from tiered.errors import (CheckpointNotFoundError, CodecUnavailableError, CorruptionError, FormatError, StateDictError,
+                           TieredError)
+from tiered.format import tree
 from tiered.format.manifest import (Manifest, RankIndex, TensorRecord, dtype_name, index_file_name, read_manifest,
-                           read_rank_index, read_step)
+                                    read_rank_index, read_step)
 from tiered.gpu.runtime import Workers
+from tiered.stage import cpu
 from tiered.tiers import device_reader
+from tiered.tiers.catalog import TierCatalog, summarize
+from tiered.tiers.leases import hold
 
 log = logging.getLogger("tiered")
 _DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
@@ -266,7 +265,13 @@ class Restorer:
     def load(self, step: int, target: Any, *, strict: bool, device: torch.device | None,
              order: list[Any]) -> tuple[Any, str]:
         """Decode `step` from the first tier of `order` that opens; the rest stand in for its
-        damaged chunks. Returns (state, name of the tier read)."""
+        damaged chunks. Returns (state, name of the tier read). Retention leaves the step on
+        every tier of `order` while it is read (`tiered.tiers.leases`)."""
+        with hold(order, step):
+            return self._load(step, target, strict=strict, device=device, order=order)
+
+    def _load(self, step: int, target: Any, *, strict: bool, device: torch.device | None,
+              order: list[Any]) -> tuple[Any, str]:
         for i, tier in enumerate(order):
             try:
                 manifest, indexes = read_step(tier, step)

@@ -34,7 +34,6 @@ written, and its files are discarded.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import queue
 import threading
@@ -49,29 +48,20 @@ from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import tree
 from tiered.format.manifest import Manifest
 from tiered.gpu.runtime import Workers
-from tiered.observe.records import RecordLog, records_root, save_record
+from tiered.observe.records import RecordLog, failure_record, records_root
 from tiered.observe.watch import Watch
+from tiered.save.failures import SaveFailures
 from tiered.save.fast_codec import FastTierCodec
 from tiered.save.handle import RankFiles, SaveHandle
 from tiered.save.placement import StepTier
-from tiered.save.write import END, Abort, Job, complete_after, drain, settle, write_rank
+from tiered.save.write import END, Abort, Job, commit_step, complete_after, drain, settle, write_rank
 from tiered.stage import cpu, host_copy
-from tiered.stage.overlap import (
-    Guard,
-    Guarded,
-    Learned,
-    clone_after,
-    deferred_plan,
-    overlap_plan,
-    recorded,
-    say_new,
-    to_clone,
-)
+from tiered.stage.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
+                                  to_clone)
 from tiered.stage.plan import PlanCache, SavePlan, make_plan
 from tiered.stage.stage_after import StageAfter, stage_after_seconds
 from tiered.tiers.catalog import TierCatalog
-from tiered.units import format_size
-from tiered.version import __version__
+from tiered.tiers.retention import retain_without_migrator
 
 log = logging.getLogger("tiered")
 
@@ -104,7 +94,8 @@ class SavePipeline:
         self._plans = PlanCache()
         self._jobs: "queue.Queue[Job | None]" = queue.Queue()
         self._inflight: dict[int, SaveHandle] = {}
-        self._error: BaseException | None = None
+        self.failures = SaveFailures(config)
+        """What a failed save does to training (`on_save_failure`)."""
         self._lock = threading.Lock()
         self._hooks: list[Callable[[int], None]] = []
         self._tiers = StepTier(config, catalog)
@@ -257,8 +248,10 @@ class SavePipeline:
 
     def notify_committed(self, step: int) -> None:
         """`step` is committed on this node's fast tier (a distributed save commits it itself)."""
+        self.failures.committed()
         for hook in self._hooks:
             hook(step)
+        retain_without_migrator(self.config, self.catalog.get)
 
     def bind_rank(self, rank: int, world_size: int) -> None:
         """This pipeline writes rank `rank`'s files of a world of `world_size` (torch.distributed)."""
@@ -276,15 +269,15 @@ class SavePipeline:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
 
-    def record_failure(self, err: BaseException) -> None:
-        """Keep a background failure for the next `save()` or `wait()` to raise (the first one wins)."""
-        with self._lock:
-            self._error = self._error or err
+    def record_failure(self, err: BackgroundSaveError, tier: Any = None) -> str:
+        """A save failed in the background: record it; `on_save_failure` decides whether the next
+        `save()` or `wait()` raises. Returns what happens next, for the log."""
+        self.records.append(failure_record(err.step, (tier or self.tier).name, err))
+        return self.failures.record(err)
 
     def raise_failure(self) -> None:
-        """Raise the kept background failure, if any, once."""
-        with self._lock:
-            err, self._error = self._error, None
+        """Raise the failure `on_save_failure` keeps for the next call, if any, once."""
+        err = self.failures.take()
         if err is not None:
             raise err
 
@@ -313,7 +306,10 @@ class SavePipeline:
         self.wait_planned()
         skeleton, leaves = tree.flatten(state_dict, share=not rank_only)  # (DCP's items are its own)
         t1 = time.perf_counter()
-        tier = self._tiers.begin(step, leaves, self.rank if rank_only else None)
+        try:
+            tier = self._tiers.begin(step, leaves, self.rank if rank_only else None)
+        except (TieredError, OSError) as exc:
+            return self._refused(step, exc, rank_only)
         t2 = time.perf_counter()
         plan = self._plan(tier, leaves, tree.structure_of(state_dict))
         handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
@@ -399,6 +395,19 @@ class SavePipeline:
         """A distributed save's call would plan nothing now (`save_later`)."""
         learned = learned or self._learned
         return learned is not None and not self._walk_in_call and not self._walk_auto and learned.fits(self._guards)
+
+    def _refused(self, step: int, exc: BaseException, rank_only: bool) -> SaveHandle:
+        """The tier refused the step outright (permission denied, a filesystem gone). With
+        `on_save_failure: warn` that is a failed save like one that fails in the background: its
+        handle holds the failure, and training goes on. A committed step is the caller's error."""
+        if rank_only or self.failures.policy == "raise" or self.tier.has_step(step):
+            raise exc
+        err = BackgroundSaveError(step, exc)
+        log.error("tiered: %s. The step is not committed; %s", err, self.record_failure(err))
+        handle = SaveHandle(step, raw_bytes=0, tier=self.tier.name, _reported=self._reported)
+        handle.staged.set_exception(err)
+        handle.persisted.set_exception(err)
+        return handle
 
     def _check_new(self, step: int) -> None:
         self.check(step)
@@ -555,9 +564,7 @@ class SavePipeline:
 
     def _reported(self, exc: BaseException) -> None:
         """A handle raised `exc` itself: the next save() or wait() does not raise it again."""
-        with self._lock:
-            if self._error is exc:
-                self._error = None
+        self.failures.forget(exc)
 
     # --- the writer thread ----------------------------------------------------------------------
     def _writer_loop(self) -> None:
@@ -579,14 +586,15 @@ class SavePipeline:
             if job.tier is not None:  # Uncommitted: invisible anyway; frees the space.
                 job.tier.discard_rank(job.step, self.rank) if job.rank_only else job.tier.discard(job.step)
             err = BackgroundSaveError(job.step, exc)
-            if not job.aborted:
-                log.error("tiered: %s", err)
+            if not job.aborted:  # an aborted save() already raised its own error
+                then = self.record_failure(err, job.tier)
+                log.error("tiered: %s. The step is not committed and its partial files are removed; %s", err, then)
             with self._lock:
-                if not job.aborted:  # an aborted save() already raised its own error
-                    self._error = self._error or err
                 self._inflight.pop(job.step, None)
             settle(job.handle.staged, exc=err)
             job.handle.persisted.set_exception(err)
+            if not job.rank_only:
+                retain_without_migrator(self.config, self.catalog.get)  # room for the next save
             return
         job.drop_tensors()
         if not job.rank_only:  # the migrator queues it before anyone can see the step persisted, so
@@ -598,20 +606,8 @@ class SavePipeline:
     def _write(self, job: Job) -> "Manifest | RankFiles":
         """Write the job's rank files; then, unless it is rank_only, commit the step."""
         files = write_rank(job, self.rank, self.config, self.workers, self._placed)
-        if job.rank_only:
-            return files
-        manifest = Manifest(
-            step=job.step, world_size=self.world_size, ranks=(files.entry,), raw_bytes=files.raw_bytes,
-            stored_bytes=files.stored_bytes, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            writer=f"tiered {__version__}")
-        job.tier.commit(job.step, manifest.to_json())
-        durable = time.perf_counter() - job.started + job.handle.timings.get("plan_ms", 0.0) / 1e3
-        self.records.append(save_record(manifest, job.tier.name, job.handle, durable, files.codecs, files.io))
-        log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
-                 "[%s]", job.step, "" if job.tier is self.tier else f" on tier {job.tier.name!r}",
-                 format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
-                 1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.io)
-        return manifest
+        return files if job.rank_only else commit_step(job, files, self.world_size, self.records, self.tier)
+
 
 def _free_gpu(index: int) -> int:
     return torch.cuda.mem_get_info(index)[0]

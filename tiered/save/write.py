@@ -9,6 +9,8 @@ save's `staged` future is settled (`settle`, `complete_after`).
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
+import logging
 import queue
 import threading
 import time
@@ -19,22 +21,18 @@ from typing import Any, Callable, Sequence
 from tiered.config import Config
 from tiered.errors import TieredError
 from tiered.format import checksum
-from tiered.format.manifest import (
-    ALIGNMENT,
-    ChunkTable,
-    RankEntry,
-    data_file_name,
-    dtype_name,
-    index_file_name,
-    index_json,
-)
+from tiered.format.manifest import (ALIGNMENT, ChunkTable, Manifest, RankEntry, data_file_name, dtype_name,
+                                    index_file_name, index_json)
 from tiered.gpu.runtime import Workers
 from tiered.gpu.write import RowsWriter
+from tiered.observe.records import save_record
 from tiered.save.handle import RankFiles, SaveHandle
 from tiered.stage import cpu, host_copy
 from tiered.stage.plan import SavePlan
-from tiered.units import round_up
+from tiered.units import format_size, round_up
+from tiered.version import __version__
 
+log = logging.getLogger("tiered")
 END = object()
 JOINED_WRITE_BYTES = 16 << 20
 """The CPU-encoded chunks of a wave are joined into writes of up to this many bytes."""
@@ -202,3 +200,20 @@ def complete_after(events: Sequence[Any], fut: Future, then: Callable[[], None])
         settle(fut, exc=exc)
     finally:
         then()
+
+
+def commit_step(job: Job, files: RankFiles, world_size: int, records: Any, fast_tier: Any) -> Manifest:
+    """Commit a one-process save whose rank files are durable: the manifest, written last (the
+    commit), then its record and its log line."""
+    manifest = Manifest(
+        step=job.step, world_size=world_size, ranks=(files.entry,), raw_bytes=files.raw_bytes,
+        stored_bytes=files.stored_bytes, created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        writer=f"tiered {__version__}")
+    job.tier.commit(job.step, manifest.to_json())
+    durable = time.perf_counter() - job.started + job.handle.timings.get("plan_ms", 0.0) / 1e3
+    records.append(save_record(manifest, job.tier.name, job.handle, durable, files.codecs, files.io))
+    log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
+             "[%s]", job.step, "" if job.tier is fast_tier else f" on tier {job.tier.name!r}",
+             format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
+             1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.io)
+    return manifest

@@ -23,15 +23,8 @@ from typing import Any
 import torch
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format.manifest import (
-    ALIGNMENT,
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    parse_step_dir,
-    rank_file_names,
-    safe_name,
-    step_dir_name,
-)
+from tiered.format.manifest import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names,
+                                    safe_name, step_dir_name)
 from tiered.tiers.base import committed_error
 from tiered.tiers.host_writes import HostWrites
 

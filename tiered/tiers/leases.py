@@ -1,0 +1,122 @@
+"""Steps in use: a restore reading a step, a migration copying it. Retention never deletes them.
+
+Within a process, a registry of (tier location, step). Across processes (the migrator's child
+process applying retention while the training process restores; `tiered gc` beside a running
+job), a lease file per use on filesystem tiers, under ``<root>/.tiered-leases/``, named
+``<step>__<host>__<pid>__<nonce>``. A lease of this host whose process has exited is stale and is
+removed when found; one of another host counts for `FOREIGN_TTL_S` after it was written (a
+process there cannot be asked whether it still runs). An S3 tier has the in-process registry only.
+
+    with hold(order, step):          # every tier the read may touch
+        ...read the step...
+    held_steps(tier)                 # what retention must leave alone
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+log = logging.getLogger("tiered")
+LEASE_DIR = ".tiered-leases"
+FOREIGN_TTL_S = 6 * 3600
+"""How long a lease written by another host keeps its step from retention."""
+
+_lock = threading.Lock()
+_held: Counter = Counter()
+_HOST = socket.gethostname().replace("__", "_")
+
+
+def location(tier: Any) -> str:
+    """Where a tier keeps its steps: its root directory, or its bucket and prefix."""
+    root = getattr(tier, "root", None)
+    if root is not None:
+        return str(Path(root).absolute())
+    return f"s3://{tier.bucket}/{tier.prefix}"
+
+
+@contextlib.contextmanager
+def hold(tiers: Sequence[Any], step: int) -> Iterator[None]:
+    """Keep `step` from retention on each of `tiers` while the block runs."""
+    keys = [(location(t), step) for t in tiers]
+    with _lock:
+        _held.update(keys)
+    files = [f for f in (_write_lease(t, step) for t in tiers) if f is not None]
+    try:
+        yield
+    finally:
+        for f in files:
+            with contextlib.suppress(OSError):
+                f.unlink()
+        with _lock:
+            _held.subtract(keys)
+            for k in keys:
+                if _held[k] <= 0:
+                    del _held[k]
+
+
+def held_steps(tier: Any) -> set[int]:
+    """The steps of `tier` that a restore or a migration holds now, in this process or, on a
+    filesystem tier, in any live process."""
+    where = location(tier)
+    with _lock:
+        out = {step for (loc, step), n in _held.items() if loc == where and n > 0}
+    root = getattr(tier, "root", None)
+    if root is None:
+        return out
+    folder = Path(root) / LEASE_DIR
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return out
+    now = time.time()
+    for entry in entries:
+        parts = entry.name.split("__")
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit():
+            continue
+        step, host, pid = int(parts[0]), parts[1], int(parts[2])
+        if host == _HOST:
+            if _alive(pid):
+                out.add(step)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                log.info("tiered: removed a stale lease on step %d of %s (process %d has exited)", step, where, pid)
+        else:
+            with contextlib.suppress(OSError):
+                if now - entry.stat().st_mtime < FOREIGN_TTL_S:
+                    out.add(step)
+    return out
+
+
+def _write_lease(tier: Any, step: int) -> Path | None:
+    root = getattr(tier, "root", None)
+    if root is None:
+        return None
+    folder = Path(root) / LEASE_DIR
+    path = folder / f"{step}__{_HOST}__{os.getpid()}__{uuid.uuid4().hex[:12]}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=False)
+    except OSError as exc:  # a read-only tier: this process's registry still holds the step
+        log.debug("tiered: no lease file for step %d on %s: %s", step, root, exc)
+        return None
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,63 @@
+"""Retention across the tiers: `keep_last` / `keep_every` applied to every tier, the last one too.
+
+The decision is `tiered.policy.eviction_reasons` (pure); this module lists what each tier holds,
+what is in use (`tiered.tiers.leases`), deletes, and logs each deletion with its reason. The
+engine runs it after each save where it has no migrator (one tier), the migrator after each step
+it copies, and `tiered gc` by hand: the same rule everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+from tiered.policy import Retention, eviction_reasons
+from tiered.tiers.leases import held_steps
+
+log = logging.getLogger("tiered")
+
+
+def rules_of(config: Any) -> dict[str, Retention]:
+    return {t.name: Retention(keep_last=t.keep_last, keep_every=t.keep_every) for t in config.tiers}
+
+
+def apply_retention(config: Any, get_tier: Callable[[str], Any], *, dry_run: bool = False) -> dict[str, dict[int, str]]:
+    """Delete, per tier, the steps its rules let go (`tiered.policy.evictable`: never the newest
+    step, never one in use, above the last tier only once a slower tier holds it or no slower tier
+    would keep it). Returns {tier: {step: why}} of what was deleted (or, with `dry_run`, would be).
+    A step whose deletion fails is logged and left; the others still go."""
+    order = [t.name for t in config.tiers]
+    rules = rules_of(config)
+    committed = {name: set(get_tier(name).steps()) for name in order}
+    out: dict[str, dict[int, str]] = {}
+    for t in config.tiers:
+        if not t.retention:
+            continue
+        tier = get_tier(t.name)
+        doomed = eviction_reasons(t.name, committed, order, rules, held_steps(tier))
+        if not doomed:
+            continue
+        out[t.name] = doomed
+        if dry_run:
+            continue
+        for step, why in doomed.items():
+            try:
+                tier.delete(step)
+            except Exception as exc:  # noqa: BLE001 - one step that cannot go keeps the others going
+                log.error("tiered: retention: cannot delete step %d from tier %r: %s", step, t.name, exc)
+                continue
+            committed[t.name].discard(step)
+            log.info("tiered: retention: deleted step %d from tier %r (%s)", step, t.name, why)
+    return out
+
+
+def retain_without_migrator(config: Any, get_tier: Callable[[str], Any]) -> None:
+    """After a save, where no migrator applies retention (one tier): by the node's first local
+    rank only, so that ranks sharing a tier do not race; a failure is logged, never raised."""
+    if len(config.tiers) != 1 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        apply_retention(config, get_tier)
+    except Exception as exc:  # noqa: BLE001 - a save is never failed by its cleanup
+        log.error("tiered: retention failed (tried again after the next save): %s", exc)
