@@ -214,6 +214,45 @@ def count_new_groups() -> list:
     return made
 
 
+def rank_1_dies(engine, state, step: int, during: str) -> None:
+    """Rank 1's process dies (os._exit) `during` "commit" (its files written, before it reports
+    them) or "restore" (while it reads its part). The other ranks end with a CollectiveError or
+    BackgroundSaveError naming rank 1 and what it was doing, within distributed_timeout; the
+    save leaves no committed step. Prints the survivors' outcome as one JSON line, then exits
+    without the group's teardown (a peer is gone)."""
+    import json
+    import time
+
+    import tiered.distributed.saver as saver
+    from tiered.errors import BackgroundSaveError, CollectiveError
+
+    rank = dist.get_rank()
+    if rank == 1 and during == "commit":
+        saver.results_of = lambda *a, **k: os._exit(17)
+    if rank == 1 and during == "restore":
+        import tiered.distributed.storage as storage
+        real_read = storage.StepReader.read_data
+
+        def dying(self, *a, **k):
+            os._exit(17)
+            return real_read(self, *a, **k)
+        storage.StepReader.read_data = dying
+    t0 = time.monotonic()
+    out = {"rank": rank}
+    try:
+        if during == "commit":
+            engine.save(step, state).wait()
+        else:
+            engine.restore(state, step)
+        out["error"] = None
+    except (BackgroundSaveError, CollectiveError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    out["committed"] = engine.tier.has_step(step)
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
 def save_fails_on_rank_1(engine, state, step: int) -> None:
     """Rank 1's disk is full: every rank's save of `step` fails, nothing is committed, and the
     next save (disk space back) commits."""
@@ -399,7 +438,8 @@ def guarded_saves(engine, step: int, auto: bool, device: str, own_group: bool,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "load-fail", "save-fail", "save-change", "save-gc", "save-guarded"])
+    ap.add_argument("mode", choices=["save", "load", "load-fail", "save-fail", "save-change", "save-gc", "save-guarded",
+                                     "save-dies", "load-dies"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--how", choices=["engine", "dcp", "async"], default="engine")
@@ -437,6 +477,8 @@ def main() -> None:
     try:
         state = None if args.mode == "save-guarded" else fsdp_state(args.mode == "load", args.width, args.layers) \
             if cuda else build(mesh, args.mode.startswith("load"))
+        if args.mode in ("save-dies", "load-dies"):
+            rank_1_dies(engine, state, args.step, "commit" if args.mode == "save-dies" else "restore")
         if args.mode == "load-fail":
             load_fails_on_rank_1(engine, state, args.step)
         elif args.mode == "save-fail":

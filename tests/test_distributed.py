@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -154,17 +155,17 @@ def test_the_cpu_group_is_the_default_one_where_it_has_gloo_and_a_failure_to_mak
     monkeypatch.setattr(distributed.dist, "new_group", lambda **k: made.append(k) or "group")
     for backend in ("gloo", "cpu:gloo,cuda:nccl"):
         monkeypatch.setattr(distributed, "default_backend", lambda b=backend: b)
-        assert distributed.cpu_group() is None
+        assert distributed.cpu_group(60) is None
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(distributed, "default_backend", lambda: "nccl")
-    assert distributed.cpu_group() == "group" and made == [{"backend": "gloo"}]
+    assert distributed.cpu_group(60) == "group" and made == [{"backend": "gloo", "timeout": timedelta(seconds=60)}]
 
     def refuse(**k):
         raise RuntimeError("Gloo connectFullMesh failed")
 
     monkeypatch.setattr(distributed.dist, "new_group", refuse)
     with pytest.raises(TieredError, match=r"'nccl'.*connectFullMesh.*cpu:gloo,cuda:nccl.*GLOO_SOCKET_IFNAME"):
-        distributed.cpu_group()
+        distributed.cpu_group(60)
 
 
 def test_dcp_async_save_on_tiered_storage(tmp_path):
@@ -278,3 +279,60 @@ def test_box_chunks_marks_exactly_the_chunks_holding_the_box(shape, itemsize, ch
     mark = np.zeros(nchunks, dtype=bool)
     box_chunks(shape, itemsize, [0] * len(shape), [0] * len(shape), chunk, mark) if shape else None
     assert not mark.any()
+
+
+def _first_json_line(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    """The first JSON line a rank prints (its outcome). Its launcher is then stopped: with a node
+    gone, torchrun's agent would wait minutes at its exit barrier for the other agent."""
+    import selectors
+    import time
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(timeout=1.0):
+                line = proc.stdout.readline()
+                if line.startswith("{"):
+                    return json.loads(line)
+                if not line and proc.poll() is not None:
+                    break
+        tail = proc.stderr.read()[-4000:] if proc.poll() is not None else ""
+        raise AssertionError(f"no outcome from the surviving rank:\n{tail}")
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("during", ["commit", "restore"])
+def test_a_rank_that_dies_ends_the_others_with_its_name_and_no_half_committed_step(tmp_path, during):
+    """Two nodes (one rank each, two torchrun launches); rank 1's process dies mid-commit or
+    mid-restore. Rank 0 ends, in bounded time, with an error that names rank 1 and what it was
+    doing; a save leaves no committed step."""
+    cfg = {"version": 1, "chunk_size": "64KiB", "distributed_timeout": "5s",
+           "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "zstd"}]}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    if during == "restore":
+        torchrun(2, "save", "--config", str(path), "--step", "7", "--how", "engine")
+    port = free_port()
+    mode = "save-dies" if during == "commit" else "load-dies"
+    procs = [launch(1, mode, "--config", str(path), "--step", "8" if during == "commit" else "7",
+                    nodes=2, node=i, port=port) for i in (0, 1)]
+    try:
+        assert procs[1].wait(timeout=300) != 0, "rank 1 was to die"
+        out0 = _first_json_line(procs[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert out0["error"] is not None and "rank 1 (last seen: " in out0["error"], out0
+    if during == "commit":
+        assert "step 8 was not committed" in out0["error"] and "writing its files" in out0["error"], out0
+        assert "within 0:00:05 (distributed_timeout)" in out0["error"], out0
+        assert out0["committed"] is False and not (tmp_path / "nvme" / "step_000000000008" / "MANIFEST.json").exists()
+    else:
+        assert "the restore of step 7: agreeing on its outcome" in out0["error"], out0
+        assert "reading its part" in out0["error"], out0
+        assert out0["committed"] is True  # (the step restored from is untouched)

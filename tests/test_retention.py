@@ -92,7 +92,8 @@ def test_a_lease_of_another_live_process_protects_the_step_and_a_dead_ones_does_
     leases = list((tmp_path / "nvme" / LEASE_DIR).iterdir())
     assert len(leases) == 1  # the killed process left its lease
     assert held_steps(tier) == set() and not list((tmp_path / "nvme" / LEASE_DIR).iterdir())  # stale: removed
-    assert apply_retention(tiered.load_config(cfg), lambda name: tier) == {"local": {4: "beyond this tier's rules; the last tier"}}
+    deleted = apply_retention(tiered.load_config(cfg), lambda name: tier)
+    assert deleted == {"local": {4: "beyond this tier's rules; the last tier"}}
     assert tier.steps() == [5]
 
 

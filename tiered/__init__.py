@@ -9,12 +9,12 @@
 
 from tiered.config import Config, load_config
 from tiered.engine import Engine, SaveHandle
-from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, ConfigError,
-                           CorruptionError, FormatError, SaveFailuresExceeded, StateDictError, TieredError)
+from tiered.errors import (BackgroundSaveError, CheckpointNotFoundError, CodecUnavailableError, CollectiveError,
+                           ConfigError, CorruptionError, FormatError, SaveFailuresExceeded, StateDictError, TieredError)
 from tiered.version import __version__
 
 __all__ = [
-    "BackgroundSaveError", "CheckpointNotFoundError", "CodecUnavailableError", "Config", "ConfigError",
-    "CorruptionError", "Engine", "FormatError", "SaveFailuresExceeded", "SaveHandle", "StateDictError",
+    "BackgroundSaveError", "CheckpointNotFoundError", "CodecUnavailableError", "CollectiveError", "Config",
+    "ConfigError", "CorruptionError", "Engine", "FormatError", "SaveFailuresExceeded", "SaveHandle", "StateDictError",
     "TieredError", "__version__", "load_config",
 ]

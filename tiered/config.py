@@ -129,6 +129,10 @@ class Config:
     `max_time_without_commit`. "raise": the next `save()` or `wait()` raises every failure."""
     max_failed_saves: int = 3
     """With ``on_save_failure: warn``: this many failed saves in a row stop training."""
+    distributed_timeout: float = 1800.0
+    """Seconds a rank waits for the others in a distributed save, commit or restore (their files
+    durable, the coordinator's commit, the engine's own collectives) before it fails, naming the
+    ranks that did not answer and what they were doing."""
     max_time_without_commit: float | None = None
     """With ``on_save_failure: warn``: seconds without a committed save after which a failed save
     stops training (None: no time bound)."""
@@ -263,6 +267,10 @@ def _parse(data: object, source: str) -> Config:
             unprotected = parse_duration(unprotected)
         except ValueError as exc:
             raise top.error("max_time_without_commit", str(exc)) from None
+    try:
+        dist_timeout = parse_duration(top.get("distributed_timeout", "30min"))
+    except ValueError as exc:
+        raise top.error("distributed_timeout", str(exc)) from None
     raw_tiers = top.typed("tiers", list, required=True)
     top.finish()
     if not raw_tiers:
@@ -279,7 +287,8 @@ def _parse(data: object, source: str) -> Config:
     _refuse_shared_storage(tiers, source)
     return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration,
                   on_fast_tier_error=on_error, on_save_failure=on_failure, max_failed_saves=max_failed,
-                  max_time_without_commit=unprotected, tiers=tiers, document=data)
+                  max_time_without_commit=unprotected, distributed_timeout=dist_timeout, tiers=tiers,
+                  document=data)
 
 
 def storage_of(tier: TierConfig) -> tuple[str, str]:

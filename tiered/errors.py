@@ -56,3 +56,8 @@ class SaveFailuresExceeded(BackgroundSaveError):
         TieredError.__init__(self, f"{why}; the last: {last}")
         self.step = last.step
         self.__cause__ = last
+
+
+class CollectiveError(TieredError):
+    """A collective of a distributed save, commit or restore failed; the message names the ranks
+    that did not answer and what they were last doing."""

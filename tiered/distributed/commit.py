@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.storage import WriteResult
 
+from tiered.distributed.roll import last_doing, store
 from tiered.errors import FormatError, TieredError
 from tiered.format import checksum, tree
 from tiered.format.manifest import DTYPES, FileEntry, Manifest, RankEntry, dtype_name
@@ -91,21 +92,12 @@ def commit_step(tier: Any, step: int, metadata: Metadata, results: Sequence[Writ
 
 # --- the commit across nodes (through the c10d store) ----------------------------------------
 
-COMMIT_TIMEOUT = timedelta(minutes=30)
-"""How long ranks wait for each other's posts (files durable, the coordinator's commit)."""
 
 
 def multi_rank() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def store() -> Any:
-    """The key-value store of the default process group (torchrun's rendezvous store)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
 
 
 POLL_S = 0.02
@@ -151,9 +143,10 @@ def adopt_commit(saves: Any, step: int, save_id: str) -> Manifest:
     node's ranks' files are; the other local ranks wait until it has. `saves`: this rank's
     SavePipeline (its fast tier and rank)."""
     s = store()
-    wait_for_keys([commit_key(save_id)], COMMIT_TIMEOUT, lambda _: (
-        f"step {step}: the coordinator (rank 0) posted no commit within {COMMIT_TIMEOUT}: it stopped, or its "
-        f"save failed without a word"))
+    timeout = timedelta(seconds=saves.config.distributed_timeout)
+    wait_for_keys([commit_key(save_id)], timeout, lambda _: (
+        f"step {step}: the coordinator, {last_doing([0])}, posted no commit within {timeout} "
+        "(distributed_timeout): it stopped, or its save failed without a word"))
     posted = json.loads(s.get(commit_key(save_id)))
     if "error" in posted:
         raise TieredError(f"step {step} was not committed: the coordinator failed: {posted['error']}")
@@ -165,7 +158,7 @@ def adopt_commit(saves: Any, step: int, save_id: str) -> Manifest:
             tier.write_file(step, manifest.dcp.name, base64.b64decode(posted["dcp"]))
             tier.commit(step, raw)
     else:
-        deadline = time.monotonic() + COMMIT_TIMEOUT.total_seconds()
+        deadline = time.monotonic() + timeout.total_seconds()
         while not tier.has_step(step):
             if time.monotonic() > deadline:
                 raise TieredError(f"step {step}: local rank 0 did not commit it on {tier.root}")

@@ -36,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+from datetime import timedelta
 import warnings
 from concurrent.futures import Future
 from typing import Any
@@ -47,9 +48,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tiered import threads
-from tiered.distributed.commit import (COMMIT_TIMEOUT, RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
+from tiered.distributed.commit import (RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
                                        post_failure, results_of, store, wait_for_keys)
 from tiered.distributed.reuse import PlanReuse
+from tiered.distributed.roll import collective, doing, last_doing
 from tiered.distributed.storage import SafeLoadPlanner, StepReader, StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import tree
@@ -69,7 +71,7 @@ class DistributedSaver:
         self.saves = saves
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         saves.bind_rank(self.rank, self.world)
-        self._group = cpu_group()
+        self._group = cpu_group(self.saves.config.distributed_timeout)
         """Where the planning's collectives run: None for the default group, which does CPU ones."""
         self._told_default = False
         self._reuse = PlanReuse()
@@ -194,14 +196,16 @@ class DistributedSaver:
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
         local = planner.create_local_plan()
         gathered = [None] * self.world if coordinator else None
-        dist.gather_object(local, gathered, dst=0, group=self._group)
+        collective("a save: gathering DCP's plans on rank 0",
+                   lambda: dist.gather_object(local, gathered, dst=0, group=self._group))
         scattered = [None] * self.world if coordinator else None
         metadata = None
         if coordinator:
             plans, metadata = planner.create_global_plan(gathered)
             scattered = writer.prepare_global_plan(plans)
         out = [None]
-        dist.scatter_object_list(out, scattered, src=0, group=self._group)
+        collective("a save: scattering DCP's final plans",
+                   lambda: dist.scatter_object_list(out, scattered, src=0, group=self._group))
         final = planner.finish_plan(out[0])
         self._reuse.remember(sig, leaves, self._reuse.paths(state_dict), planner, final, metadata)
         # Kept: its resolver serializes values as the planner does, and keeps them, so `reserve` makes
@@ -224,7 +228,8 @@ class DistributedSaver:
     def _all(self, flag: bool) -> bool:
         """`flag` holds on every rank (an all-reduce of one int on the CPU, `cpu_group`)."""
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        collective("a save: agreeing whether the state kept its structure",
+                   lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group))
         return bool(t.item())
 
     def wait(self) -> None:
@@ -275,6 +280,8 @@ class DistributedSaver:
         # thread, 310-420 ms each holding the GIL beside training (10,480 items a rank, CPU
         # machine). So they are made with it paused, after the waits, and dropped within.
         s = store()
+        timeout = timedelta(seconds=self.saves.config.distributed_timeout)
+        doing(f"step {step}: writing its files")
         try:
             persisted = rank_handle.persisted.result() if rank_handle is not None else None
             with tree.collector_paused():
@@ -286,9 +293,10 @@ class DistributedSaver:
         if self.rank == 0:
             try:
                 keys = [_rank_key(save_id, r) for r in range(self.world)]
-                wait_for_keys(keys, COMMIT_TIMEOUT, lambda missing: (
-                    f"step {step} was not committed: rank(s) {', '.join(str(keys.index(k)) for k in missing)} "
-                    f"did not report their files durable within {COMMIT_TIMEOUT}"))
+                doing(f"step {step}: committing it, once every rank has written its files")
+                wait_for_keys(keys, timeout, lambda missing: (
+                    f"step {step} was not committed: {last_doing(keys.index(k) for k in missing)} did not report "
+                    f"their files durable within {timeout} (distributed_timeout)"))
                 with tree.collector_paused():
                     posted = [json.loads(s.get(k)) for k in keys]
                     failed = [p["error"] for p in posted if isinstance(p, dict)]
@@ -304,6 +312,7 @@ class DistributedSaver:
                 raise
             post_commit(self.saves.tier, save_id, manifest)
             return manifest
+        doing(f"step {step}: waiting for rank 0's commit")
         return adopt_commit(self.saves, step, save_id)
 
 
@@ -313,7 +322,7 @@ def default_backend() -> str:
     return str(dist.get_backend())
 
 
-def cpu_group() -> Any:
+def cpu_group(timeout_s: float) -> Any:
     """The group a save's planning collectives run on, on CPU tensors: None (the default group)
     where the default group has a CPU backend, else a new gloo group of every rank (collective:
     every rank makes it, as every rank makes its engine's first distributed call)."""
@@ -325,7 +334,7 @@ def cpu_group() -> Any:
                           "not available in this torch: initialise the process group with a CPU backend too, "
                           "e.g. init_process_group('cpu:gloo,cuda:nccl')")
     try:
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
         raise TieredError(f"torch.distributed's default group is {backend!r}, which has no CPU backend, and making a "
                           f"gloo group for the saves' planning failed ({exc}): initialise the process group with a "
@@ -373,7 +382,7 @@ def _decode_results(posted: list[Any]) -> list[WriteResult]:
 def agree_on_step(step: int | None, find: Any) -> int:
     """The step every rank restores: `step`, or the newest one rank 0 finds."""
     box = [find() if step is None and dist.get_rank() == 0 else step]
-    dist.broadcast_object_list(box, src=0)
+    collective("a restore: agreeing on the step (rank 0 picks it)", lambda: dist.broadcast_object_list(box, src=0))
     if box[0] is None:
         raise TieredError("no committed checkpoint to restore (rank 0 found none)")
     return box[0]
@@ -401,6 +410,7 @@ def _restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *,
     reader = StepReader(restorer, step)
     reader.sources = order
     failure: BaseException | None = None
+    doing(f"the restore of step {step}: reading its part")
     try:
         with warnings.catch_warnings():  # (DCP warns that it assumes a single process, which is meant here)
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -412,7 +422,8 @@ def _restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *,
         failure = exc
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         said: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(said, None if failure is None else f"{type(failure).__name__}: {failure}"[:2000])
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"[:2000]
+        collective(f"the restore of step {step}: agreeing on its outcome", lambda: dist.all_gather_object(said, mine))
         others = [(rank, why) for rank, why in enumerate(said) if why is not None and rank != dist.get_rank()]
         if failure is None and others:
             rank, why = others[0]
