@@ -217,3 +217,25 @@ def test_soak_a_loop_saving_every_step_never_fills_a_tier_sized_for_a_few(tmp_pa
                   f"kept {engine.steps()}, each restored bit-exact")
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_an_s3_last_tier_is_bounded_by_its_rules_on_a_real_server(tmp_path, s3_server, s3_bucket, capsys):
+    """keep_last on the S3 tier (the last one) deletes its oldest steps there too; the local tier
+    lets a step go once S3 holds it."""
+    import yaml
+
+    cfg = {"migration": "in_process", "tiers": [
+        {"name": "local", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "zstd", "keep_last": 1},
+        {"name": "s3", "kind": "s3", "bucket": s3_bucket, "prefix": "run", "endpoint_url": s3_server.endpoint_url,
+         "region": "us-east-1", "codec": "zstd", "keep_last": 2}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in range(1, 6):
+            engine.save(step, _state(step)).wait()
+            engine.wait_migrated(120)
+        assert engine.steps("s3") == [4, 5] and engine.steps("local") == [5]
+        assert torch.equal(engine.load(4)["w"], _state(4)["w"])  # from S3
+    path = tmp_path / "t.yaml"
+    cfg["tiers"][1]["keep_last"] = 1
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["gc", "-q", "-c", str(path)]) == 0
+    assert "tier 's3' (keep_last 1): deleted 4" in capsys.readouterr().out
