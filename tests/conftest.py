@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 from helpers import new_bucket, running_s3
@@ -45,6 +46,22 @@ def _bandwidth_cache(tmp_path_factory):
         os.environ.pop("TIERED_CACHE_DIR", None)
     else:
         os.environ["TIERED_CACHE_DIR"] = saved
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 24 MiB filesystem (tmpfs): writes past it fail with ENOSPC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture(scope="session")

@@ -59,22 +59,6 @@ def test_a_fast_tier_that_refuses_the_save_falls_back_to_the_next_when_configure
     assert all(out["restored"].values()), out
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 24 MiB filesystem (tmpfs): writes past it fail with ENOSPC."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def state(step: int, mib: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(mib * 1024 * 256, generator=g), "step": step}  # incompressible with codec none

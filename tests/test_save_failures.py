@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,22 +17,6 @@ import tiered
 from tiered.cli import main
 from tiered.errors import BackgroundSaveError, SaveFailuresExceeded
 from tiered.save.failures import SaveFailures
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 24 MiB filesystem (tmpfs): writes past it fail with ENOSPC."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def state(step: int) -> dict:
