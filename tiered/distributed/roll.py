@@ -1,20 +1,20 @@
 """Collectives that fail with names: which ranks did not answer, and what they were doing.
 
-Before each collective of a distributed save, commit or restore, every rank posts to the job's
-store (torchrun's c10d store) that it reached it, ``tiered/roll/<n>/<rank>`` (n counts this
-process's collectives, which every rank makes in the same order), and as it works, what it is
-doing, ``tiered/doing/<rank>``. A collective that fails (a peer's process gone: gloo's
+Each rank keeps one key in the job's store (torchrun's c10d store), ``tiered/rank/<rank>``: the
+number of the last collective of a save, commit or restore it reached (every rank makes them in
+the same order) and what it is doing now. A collective that fails (a peer's process gone: gloo's
 "Connection closed by peer"; the group's timeout) is raised again as a `CollectiveError` naming
-the ranks that never reached it and what each last said it was doing. The waits of the commit
-(`tiered.distributed.commit.wait_for_keys`) name them the same way.
+the ranks that never reached it and what each last said it was doing; the waits of the commit
+(`tiered.distributed.commit.wait_for_keys`) name them the same way. One small write per
+collective and per phase of a rank: the store is read only when something fails.
 
-    doing("restore of step 20: reading its part")
-    said = collective("restore of step 20: agreeing on the outcome", lambda: dist.all_gather_object(...))
+    doing("the restore of step 20: reading its part")
+    collective("the restore of step 20: agreeing on its outcome", lambda: dist.all_gather_object(...))
 """
 
 from __future__ import annotations
 
-import itertools
+import json
 import logging
 import threading
 from typing import Any, Callable, Iterable, TypeVar
@@ -23,7 +23,8 @@ from tiered.errors import CollectiveError
 
 log = logging.getLogger("tiered")
 T = TypeVar("T")
-_count = itertools.count()
+_reached = -1
+"""The number of the last collective this process reached."""
 _lock = threading.Lock()
 
 
@@ -40,21 +41,30 @@ def _rank() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _post(n: int, what: str) -> None:
+    store().set(f"tiered/rank/{_rank()[0]}", json.dumps({"n": n, "doing": what}))
+
+
+def _read(rank: int) -> dict | None:
+    s, key = store(), f"tiered/rank/{rank}"
+    return json.loads(s.get(key)) if s.check([key]) else None
+
+
 def doing(what: str) -> None:
     """Post what this rank is doing now (read by the other ranks only when something fails)."""
     try:
-        store().set(f"tiered/doing/{_rank()[0]}", what)
+        _post(_reached, what)
     except Exception as exc:  # noqa: BLE001 - a note for a failure's message, never a failure of its own
         log.debug("tiered: cannot post what this rank is doing: %s", exc)
 
 
 def last_doing(ranks: Iterable[int]) -> str:
-    """``rank 1 (last seen: restore of step 20: reading its part)``, for each of `ranks`."""
-    s, out = store(), []
+    """``rank 1 (last seen: the restore of step 20: reading its part)``, for each of `ranks`."""
+    out = []
     for r in ranks:
-        key = f"tiered/doing/{r}"
         try:
-            seen = s.get(key).decode(errors="replace") if s.check([key]) else "nothing posted"
+            posted = _read(r)
+            seen = posted["doing"] if posted else "nothing posted"
         except Exception:  # noqa: BLE001 - the store itself may be gone with the job
             seen = "unknown: the store does not answer"
         out.append(f"rank {r} (last seen: {seen})")
@@ -64,24 +74,18 @@ def last_doing(ranks: Iterable[int]) -> str:
 def collective(what: str, fn: Callable[[], T]) -> T:
     """Run the collective `fn`, which every rank calls in the same order; on failure, raise a
     `CollectiveError` naming the ranks that did not reach it and what they were doing."""
+    global _reached
     rank, world = _rank()
     with _lock:
-        n = next(_count)
-    s = store()
-    s.set(f"tiered/roll/{n}/{rank}", what)
-    if n:
-        try:
-            s.delete_key(f"tiered/roll/{n - 1}/{rank}")  # (the store keeps one key a rank)
-        except Exception:  # noqa: BLE001 - a key left over costs a few bytes
-            pass
-    doing(what)
+        n = _reached = _reached + 1
+    _post(n, what)
     try:
         return fn()
     except Exception as exc:
         try:
-            missing = [r for r in range(world) if r != rank and not s.check([f"tiered/roll/{n}/{r}"])]
+            missing = [r for r in range(world) if r != rank and ((_read(r) or {"n": -1})["n"] < n)]
         except Exception:  # noqa: BLE001 - the store is gone too: say what is known
             missing = []
-        who = (f"rank(s) {last_doing(missing)} did not reach it" if missing else
+        who = (f"{last_doing(missing)} did not reach it" if missing else
                "every rank reached it; one of them stopped or timed out inside it")
         raise CollectiveError(f"{what}: failed on rank {rank} ({type(exc).__name__}: {exc}); {who}") from exc
