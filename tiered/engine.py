@@ -1,14 +1,14 @@
 """Engine: save / restore / latest_step / steps / wait / close: the face over the pipelines.
 
     Engine
-      catalog   tiered.tiers.catalog.TierCatalog   which committed steps each tier holds; restore order
-      workers   tiered.gpu.runtime.Workers       codec pool, pinned host pool, one GpuDevice per GPU
-      saves     tiered.save.pipeline.SavePipeline     plan -> stage -> write -> fsync -> index -> commit
-      restorer  tiered.restore.pipeline.Restorer      read plan -> fetch (+ fallback) -> verify -> decode -> place
-      migrator  tiered.migrate.migrator              copies committed steps down the tiers (in_process)
+      catalog   tiered.tiers.catalog.TierCatalog    which committed steps each tier holds; restore order
+      workers   tiered.gpu.runtime.Workers          codec pool, pinned host pool, one GpuDevice per GPU
+      saves     tiered.save.pipeline.SavePipeline   plan -> stage -> write -> fsync -> index -> commit
+      restorer  tiered.restore.pipeline.Restorer    read plan -> fetch (+ fallback) -> verify -> decode -> place
+      migrator  tiered.migrate                      copies committed steps down the tiers
 
 `save()` returns once the state may change again (GPU: the compressed copy is the snapshot); the
-writer thread does the rest, and its failures are re-raised by the next `save()` or `wait()`.
+writer thread does the rest; `on_save_failure` says when a failed save stops training.
 Under torch.distributed, save and restore go through DCP's planner (tiered.distributed.saver).
 """
 
@@ -209,7 +209,7 @@ class Engine:
         return True
 
     def wait(self) -> None:
-        """Wait for every in-flight save to be persisted; raise the first background failure."""
+        """Wait for every in-flight save to be persisted or failed; raise what `on_save_failure` keeps."""
         if self._dist is not None:  # distributed saves: committed by rank 0, in the background
             self._dist.wait()
         self.saves.wait()

@@ -38,7 +38,8 @@ class StateDictError(TieredError, TypeError):
 
 
 class BackgroundSaveError(TieredError):
-    """A save failed after `save()` returned; raised by the next `save()` or `wait()`."""
+    """A save failed (in the background, or refused by its tier): raised by its handle's `wait()`,
+    and by the next `save()` or `wait()` as ``on_save_failure`` says."""
 
     def __init__(self, step: int, cause: BaseException):
         # Our own errors are written to be read; anything else keeps its type name.

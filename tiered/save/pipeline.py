@@ -27,9 +27,10 @@ after this rank's index, because the step is committed once every rank's files a
       -> the manifest committed, last                          `_write` (not with rank_only)
       -> hooks told (the migrator queues the step)             `notify_committed`
 
-A failure in the writer is kept and raised by the next `save()` or `wait()` (or by the
-handle's own `wait()`, once); the failed step never becomes visible, since its manifest is never
-written, and its files are discarded.
+A failed save never becomes visible (its manifest is never written) and its files are
+discarded; it is logged, recorded, and raised by its handle's own `wait()`. Whether the next
+`save()` or `wait()` raises it is `on_save_failure`'s to say (`tiered.save.failures`). After each
+save, committed or failed, retention runs where no migrator runs it (`tiered.tiers.retention`).
 """
 
 from __future__ import annotations
@@ -524,7 +525,7 @@ class SavePipeline:
             settle(handle.staged, job.step)
 
     def wait(self) -> None:
-        """Wait for every in-flight save to be persisted; raise the first background failure."""
+        """Wait for every in-flight save to be persisted or failed; raise what `on_save_failure` keeps."""
         while self._adopting:  # dcp.save's steps, committed on this node once rank 0 has
             self._adopting.pop().join()
         self.settle()
