@@ -183,3 +183,34 @@ def test_console_scripts_are_installed():
 
     scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.name.startswith("tiered")}
     assert scripts == {"tiered": "tiered.cli:main", "tiered-restore": "tiered.cli:restore_main"}
+
+
+def test_restore_never_deletes_a_damaged_copy_when_no_other_copy_is_whole(tmp_path, capsys):
+    """Local damaged in one chunk, shared in another: the step still loads chunk by chunk, and
+    tiered-restore leaves both copies as they are instead of destroying the local one."""
+    config = write_config(tmp_path)
+    path = tmp_path / "cluster.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["chunk_size"] = "64KiB"
+    path.write_text(yaml.safe_dump(cfg))
+    states = save_steps(config, [3])
+    assert main(["migrate", "--config", str(config), "-q"]) == 0
+    with tiered.Engine.from_config(config) as engine:
+        _, index = engine.read_index(3, tier="local")
+    chunks = [c for t in index.tensors for c in t.chunks]
+    assert len(chunks) >= 2
+    for tier, chunk in (("local", chunks[0]), ("shared", chunks[1])):
+        data = tmp_path / tier / "step_000000000003" / "rank_00000.data"
+        raw = bytearray(data.read_bytes())
+        raw[chunk.offset] ^= 0x55
+        data.write_bytes(bytes(raw))
+    with tiered.Engine.from_config(config) as engine:
+        assert_same(states[3], engine.load(3))  # repaired chunk by chunk across the tiers
+    capsys.readouterr()
+    assert restore_main(["--config", str(config), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "no intact copy of it: nothing was deleted" in err
+    assert (tmp_path / "local" / "step_000000000003" / "MANIFEST.json").exists()
+    with tiered.Engine.from_config(config) as engine:
+        assert engine.steps("local") == [3] and engine.steps("shared") == [3]
+        assert_same(states[3], engine.load(3))

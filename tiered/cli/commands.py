@@ -114,12 +114,21 @@ def cmd_restore(args: argparse.Namespace, catalog: TierCatalog) -> int:
             print(f"step {step} is already on tier {to!r} ({dst.root}), verified: nothing to copy")
             return EXIT_OK
         others = [n for n in sources if n != to]
-        if not others:
-            print(f"tiered-restore: step {step} on tier {to!r} is damaged and no other tier holds it", file=sys.stderr)
+        # The damaged copy goes only once another tier's copy has verified whole: where every copy
+        # is damaged in places, each may still hold the chunks the others lack (Engine.load and
+        # Engine.restore read chunk by chunk across tiers), and none is deleted.
+        intact = next((n for n in others if verify_steps(catalog, [(n, step)], quick=False, show=False) == EXIT_OK),
+                      None)
+        if intact is None:
+            held = f"tiers {', '.join(repr(n) for n in others)} hold" if others else "no other tier holds"
+            print(f"tiered-restore: step {step} on tier {to!r} is damaged and {held} no intact copy of it: nothing "
+                  f"was deleted. Engine.restore and Engine.load still read it chunk by chunk from every tier that "
+                  f"holds it", file=sys.stderr)
             return EXIT_FAILED
-        print(f"step {step} on tier {to!r} is damaged: replacing it from tier {others[0]!r}", file=sys.stderr)
+        print(f"step {step} on tier {to!r} is damaged: replacing it from tier {intact!r} (verified whole)",
+              file=sys.stderr)
         dst.delete(step)
-        sources = others
+        sources = [intact]
     for name in sources:
         if name == to:
             continue
