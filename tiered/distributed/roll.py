@@ -50,10 +50,10 @@ def _read(rank: int) -> dict | None:
     return json.loads(s.get(key)) if s.check([key]) else None
 
 
-def doing(what: str) -> None:
+def doing(what: str, n: int | None = None) -> None:
     """Post what this rank is doing now (read by the other ranks only when something fails)."""
     try:
-        _post(_reached, what)
+        _post(_reached if n is None else n, what)
     except Exception as exc:  # noqa: BLE001 - a note for a failure's message, never a failure of its own
         log.debug("tiered: cannot post what this rank is doing: %s", exc)
 
@@ -78,7 +78,7 @@ def collective(what: str, fn: Callable[[], T]) -> T:
     rank, world = _rank()
     with _lock:
         n = _reached = _reached + 1
-    _post(n, what)
+    doing(what, n)
     try:
         return fn()
     except Exception as exc:
