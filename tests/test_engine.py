@@ -690,3 +690,15 @@ def test_engine_keeps_no_reference_to_a_saved_state(tier_config, device):
             torch.cuda.synchronize()
             torch.empty(1, device=device)  # lets the allocator retire blocks freed behind stream events
             assert torch.cuda.memory_allocated() < base + 64_000_000, "the saved GPU tensor was not freed"
+
+
+def test_a_step_the_format_cannot_list_is_refused_at_save(tier_config):
+    """Steps are named with 12 digits: a larger one would be saved, then invisible to steps(),
+    ls, load and gc. save() refuses it, naming the limit; the largest listable step works."""
+    with tiered.Engine.from_config(tier_config("zstd")) as engine:
+        for bad in (10**12, -1, 2**80):
+            with pytest.raises(ValueError, match=r"step must be an integer from 0 to 999999999999"):
+                engine.save(bad, {"w": torch.ones(4)})
+        engine.save(10**12 - 1, {"w": torch.ones(4)}).wait()
+        assert engine.steps() == [10**12 - 1]
+        assert torch.equal(engine.load(10**12 - 1)["w"], torch.ones(4))

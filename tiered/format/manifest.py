@@ -55,7 +55,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+MAX_STEP = 10**12 - 1
+"""The largest step number the format lists: step directories are named with 12 digits."""
+
+
 def step_dir_name(step: int) -> str:
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step {step} is outside 0..{MAX_STEP}: the format names steps with 12 digits")
     return f"step_{step:012d}"
 
 

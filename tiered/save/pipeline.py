@@ -47,7 +47,7 @@ from tiered import threads
 from tiered.config import CPU_DECODABLE_CODECS, Config
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import tree
-from tiered.format.manifest import Manifest
+from tiered.format.manifest import MAX_STEP, Manifest
 from tiered.gpu.runtime import Workers
 from tiered.observe.records import RecordLog, failure_record, records_root
 from tiered.observe.watch import Watch
@@ -267,8 +267,9 @@ class SavePipeline:
         if self.closed:
             raise TieredError("this Engine is closed")
         self.raise_failure()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be an integer from 0 to {MAX_STEP} (the format names steps with 12 "
+                             f"digits), got {step!r}")
 
     def record_failure(self, err: BackgroundSaveError, tier: Any = None) -> str:
         """A save failed in the background: record it; `on_save_failure` decides whether the next
