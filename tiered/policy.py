@@ -82,9 +82,9 @@ class Retention:
         return keep_by_rules(sorted(set(steps)), keep_last=self.keep_last, keep_every=self.keep_every)
 
 
-def evictable(tier: str, committed: Mapping[str, set[int]], order: Sequence[str], rules: Mapping[str, Retention],
-              protected: Iterable[int] = ()) -> set[int]:
-    """Steps `tier` may delete now.
+def eviction_reasons(tier: str, committed: Mapping[str, set[int]], order: Sequence[str],
+                     rules: Mapping[str, Retention], protected: Iterable[int] = ()) -> dict[int, str]:
+    """The steps `tier` may delete now, each with the reason it may go (for the log and `tiered gc`).
 
     A step beyond the tier's own rules goes, except:
     - the newest step committed on any tier, and the `protected` ones (read by a restore, being
@@ -94,12 +94,6 @@ def evictable(tier: str, committed: Mapping[str, set[int]], order: Sequence[str]
       has let go does not stay on this one for ever). On the last tier the rules alone decide.
     Tiers missing from `rules` keep everything.
     """
-    return set(eviction_reasons(tier, committed, order, rules, protected))
-
-
-def eviction_reasons(tier: str, committed: Mapping[str, set[int]], order: Sequence[str],
-                     rules: Mapping[str, Retention], protected: Iterable[int] = ()) -> dict[int, str]:
-    """`evictable`, with the reason each step may go (for the log and `tiered gc`)."""
     mine = committed.get(tier, set())
     rule = rules.get(tier, Retention())
     everywhere = set().union(*committed.values()) if committed else set()

@@ -30,8 +30,6 @@ class SaveFailures:
         self._pending: BaseException | None = None
         self.in_a_row = 0
         """Failed saves since the last commit."""
-        self.failed = 0
-        """Failed saves since the engine started."""
         self._since = clock()
         """When the last save committed (or the engine started)."""
 
@@ -45,7 +43,6 @@ class SaveFailures:
         next, for the log line."""
         with self._lock:
             self.in_a_row += 1
-            self.failed += 1
             if self.policy == "raise":
                 self._pending = self._pending or err
                 return "the next save() or wait() raises it (on_save_failure: raise)"

@@ -23,10 +23,12 @@ def rules_of(config: Any) -> dict[str, Retention]:
 
 
 def apply_retention(config: Any, get_tier: Callable[[str], Any], *, dry_run: bool = False) -> dict[str, dict[int, str]]:
-    """Delete, per tier, the steps its rules let go (`tiered.policy.evictable`: never the newest
+    """Delete, per tier, the steps its rules let go (`tiered.policy.eviction_reasons`: never the newest
     step, never one in use, above the last tier only once a slower tier holds it or no slower tier
     would keep it). Returns {tier: {step: why}} of what was deleted (or, with `dry_run`, would be).
     A step whose deletion fails is logged and left; the others still go."""
+    if not any(t.retention for t in config.tiers):
+        return {}  # (after every save of a config without rules: no listing)
     order = [t.name for t in config.tiers]
     rules = rules_of(config)
     committed = {name: set(get_tier(name).steps()) for name in order}
