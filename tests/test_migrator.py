@@ -138,8 +138,8 @@ def test_copied_index_follows_a_target_that_falls_back_to_buffered_writes(tmp_pa
             made.set()
             return raw
 
-        def open_(path, flags, *args):
-            fd = real_open(path, flags, *args)
+        def open_(path, flags, *args, **kwargs):
+            fd = real_open(path, flags, *args, **kwargs)
             if flags & os.O_DIRECT and str(path).startswith(str(tmp_path / "shared")):
                 direct.add(fd)
             return fd
@@ -417,8 +417,23 @@ def test_background_migration_of_ans_steps(tmp_path):
     assert_same({k: v.cpu() for k, v in state["model"].items()}, dict(on_cpu["model"]))
 
 
-def _daemon(config: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tiered.cli", "migrate", "--config", str(config), "-q", *extra],
+def _daemon(config: Path, *extra: str, pause_at: Path | None = None) -> subprocess.Popen:
+    """`tiered migrate` in a process of its own. With `pause_at`, the first file-tier data file it
+    writes stops before its close (every byte handed to the file, nothing fsynced or committed):
+    the process creates `pause_at` and waits there, to be killed."""
+    args = ["-m", "tiered.cli"]
+    if pause_at is not None:
+        args = ["-c", textwrap.dedent(f"""
+            import sys, time
+            from tiered.cli import main
+            from tiered.tiers.local_io import LocalDataWriter
+            def close(self):
+                self.wait()
+                open({str(pause_at)!r}, "w").close()
+                time.sleep(3600)
+            LocalDataWriter.close = close
+            sys.exit(main(sys.argv[1:]))""")]
+    return subprocess.Popen([sys.executable, *args, "migrate", "--config", str(config), "-q", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
@@ -431,18 +446,19 @@ def test_daemon_killed_mid_copy_restarts_and_finishes_byte_identical(tmp_path, s
         t["codec"] = "zstd"  # pinned: the restarted run must make the very same choice
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    state = {f"t{i}": torch.randn(4_000_000) for i in range(8)}  # 128 MB: recompressing takes a while
+    state = {f"t{i}": torch.randn(4_000_000) for i in range(8)}
     with tiered.Engine.from_config(config) as engine:
         engine.save(7, state).wait()
-    proc = _daemon(config)
-    data = tmp_path / "shared" / "step_000000000007" / "rank_00000.data"
-    manifest = data.parent / "MANIFEST.json"
+    paused = tmp_path / "paused"
+    proc = _daemon(config, pause_at=paused)
     deadline = time.monotonic() + 120
-    while not (data.exists() and data.stat().st_size > 0 and not manifest.exists()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
-        time.sleep(0.001)
-    proc.send_signal(signal.SIGKILL)  # mid-copy: part of the data file is written, nothing committed
+    while not paused.exists():  # (a file that stays once made: no transient state is sampled)
+        assert proc.poll() is None, f"the migrator exited before its copy paused: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, "the copy did not reach its data file's close within 120 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # mid-copy: the data file written, nothing committed
     proc.wait(30)
+    assert list((tmp_path / "shared").glob(".step_000000000007__*.writing/rank_00000.data"))
     with tiered.Engine.from_config(config) as engine:
         assert engine.steps("shared") == [] and engine.steps("s3") == [], "a killed copy commits nothing"
     # Restarted as a daemon: it finishes step 7, then picks up a step saved while it runs.

@@ -34,7 +34,8 @@ from tiered.errors import TieredError
 from tiered.migrate import migrator
 
 TRIALS = int(os.environ.get("TIERED_S3_FAULT_TRIALS", "1"))
-STEP_FILES = {"MANIFEST.json", "rank_00000.index.json", "rank_00000.data"}
+STEP_FILES = {"MANIFEST.json", "*/rank_00000.index.json", "*/rank_00000.data"}
+"""A committed step's objects: the manifest, and its files in the folder the manifest names (`*`)."""
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +69,14 @@ def state(step: int, mib: int = 12) -> dict:
 
 
 def objects(server, bucket: str, step: int) -> set[str]:
-    prefix = f"run/step_{step:012d}/"
-    page = s3_client(server).list_objects_v2(Bucket=bucket, Prefix=prefix)
-    return {o["Key"][len(prefix):] for o in page.get("Contents", ())}
+    """The objects under the step, the folder its manifest names written `*` (any other folder,
+    a stopped writer's, by its name)."""
+    client, prefix = s3_client(server), f"run/step_{step:012d}/"
+    keys = {o["Key"][len(prefix):] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", ())}
+    folder = ""
+    if "MANIFEST.json" in keys:
+        folder = client.head_object(Bucket=bucket, Key=prefix + "MANIFEST.json")["Metadata"].get("tiered-files", "")
+    return {"*/" + k[len(folder) + 1:] if folder and k.startswith(folder + "/") else k for k in keys}
 
 
 def uploads(server, bucket: str) -> list[str]:
@@ -174,7 +180,8 @@ def test_an_attempt_that_gives_up_commits_nothing_and_the_next_clears_its_upload
         server.start()
         with Engine.from_config(cfg) as engine:
             assert engine.steps("s3") == [] and engine.steps() == [1]
-        assert uploads(server, bucket) == ["run/step_000000000001/rank_00000.data"]
+        (left,) = uploads(server, bucket)
+        assert re.fullmatch(r"run/step_000000000001/[^/]+__\d+__[0-9a-f]+/rank_00000\.data", left), left
         assert "MANIFEST.json" not in objects(server, bucket, 1)
         assert cli(["migrate", "--config", str(path), "-q"]) == 0
         with Engine.from_config(cfg) as engine:

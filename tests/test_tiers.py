@@ -191,11 +191,16 @@ class TestS3Tier(TierContract):
         return S3Tier("s3", s3_bucket, "runs/run-1", endpoint_url=s3_server.endpoint_url, region="us-east-1",
                       part_size=5 * 1024 * 1024, max_concurrency=3)
 
-    def test_layout_is_plain_objects(self, tier):
+    def test_layout_is_plain_objects_the_files_in_their_writers_folder(self, tier):
+        from tiered.tiers.s3 import FILES_META
+        from tiered.tiers.writers import parse_writer_id
+
         self.write_step(tier, 1, extents(1))
         keys = sorted(o["Key"] for o in tier.client.list_objects_v2(Bucket=tier.bucket)["Contents"])
+        folder = tier.client.head_object(Bucket=tier.bucket, Key=keys[0])["Metadata"][FILES_META]
+        assert parse_writer_id(folder) is not None
         assert keys == [f"runs/run-1/step_000000000001/{n}" for n in
-                        (MANIFEST_NAME, "rank_00000.data", "rank_00000.index.json")]
+                        (MANIFEST_NAME, f"{folder}/rank_00000.data", f"{folder}/rank_00000.index.json")]
 
     def test_unfinished_multipart_uploads_are_aborted(self, tier):
         tier.begin_step(2)
@@ -221,8 +226,7 @@ class TestS3Tier(TierContract):
             w.write_host(off, memoryview(data)[off:off + (1 << 20)])
         assert w.close() == len(data)
         assert calls.count("UploadPart") == 4 and "CompleteMultipartUpload" in calls and "PutObject" not in calls
-        got = tier.client.get_object(Bucket=tier.bucket, Key="hinted/step_000000000001/rank_00000.data")["Body"].read()
-        assert got == data
+        assert bytes(tier.open_data_reader(1, "rank_00000.data", device=False).read_host(0, len(data))) == data
 
     def test_parts_start_at_5_mib_and_double_up_to_the_part_size(self, s3_server, s3_bucket):
         from tiered.tiers.s3 import S3Tier
@@ -240,8 +244,7 @@ class TestS3Tier(TierContract):
             w.write_host(off, memoryview(data)[off:off + 3 * mib])
         assert w.close() == len(data)
         assert sizes == [5 * mib, 10 * mib, 16 * mib, 16 * mib, 13 * mib + 4096]
-        got = tier.client.get_object(Bucket=tier.bucket, Key="ramp/step_000000000001/rank_00000.data")["Body"].read()
-        assert got == data
+        assert bytes(tier.open_data_reader(1, "rank_00000.data", device=False).read_host(0, len(data))) == data
 
     def test_a_read_is_one_round_trip(self, tier):
         data = os.urandom(3 * 4096)
@@ -456,11 +459,11 @@ def test_o_direct_reads_refused_fall_back_or_fail_by_the_tiers_setting(tmp_path,
     real_open = os.open
     asked = []
 
-    def no_direct(path, flags, *args):
+    def no_direct(path, flags, *args, **kwargs):
         if flags & os.O_DIRECT:
             asked.append(path)
             raise OSError(22, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(local.os, "open", no_direct)
     r = LocalTier("local", tmp_path / "nvme", "auto").open_data_reader(1, "rank_00000.data", device=False)

@@ -7,9 +7,8 @@
       restorer  tiered.restore.pipeline.Restorer    read plan -> fetch (+ fallback) -> verify -> decode -> place
       migrator  tiered.migrate                      copies committed steps down the tiers
 
-`save()` returns once the state may change again (GPU: the compressed copy is the snapshot); the
-writer thread does the rest; `on_save_failure` says when a failed save stops training.
-Under torch.distributed, save and restore go through DCP's planner (tiered.distributed.saver).
+`save()` returns once the state may change again (GPU: the compressed copy is the snapshot); the writer
+thread does the rest. Under torch.distributed, save and restore go through DCP's planner (distributed.saver).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from tiered.restore.pipeline import Restorer
 from tiered.save.handle import SaveHandle
 from tiered.save.pipeline import SavePipeline
 from tiered.tiers.catalog import TierCatalog, saved_through_dcp
+from tiered.tiers.retention import reclaim_debris_in_background
 
 __all__ = ["Engine", "SaveHandle"]
 
@@ -48,6 +48,7 @@ class Engine:
         self.catalog = TierCatalog(config)
         self.tier = self.catalog.fast
         """The node-local tier every save is written to first."""
+        self.reclaimed = reclaim_debris_in_background(self.tier)  # what stopped writers left there
         self.workers = Workers(config)
         self.saves = SavePipeline(config, self.catalog, self.workers)
         self.restorer = Restorer(config, self.catalog, self.workers)
@@ -67,9 +68,8 @@ class Engine:
 
             self._migrator = BackgroundMigrator(config, self.catalog.get, lambda: make_gpu_recoder(config))
             self.saves.on_commit(self._migrator.submit)
-        # A script that ends right after save() must not lose that checkpoint with the daemon writer.
-        # threading's exit hooks run before concurrent.futures shuts its pools down (which would
-        # refuse the codec work) and before atexit; fall back to atexit where they are missing.
+        # A script ending right after save() keeps that checkpoint: threading's exit hooks run before
+        # concurrent.futures shuts its pools (atexit where they are missing).
         hook = getattr(threading, "_register_atexit", atexit.register)
         hook(_finish_at_exit, weakref.ref(self))
 

@@ -269,11 +269,17 @@ def verify_steps(catalog: TierCatalog, work: list[tuple[str, int]], *, quick: bo
 
 # --- tiered gc -----------------------------------------------------------------------------
 def cmd_gc(args: argparse.Namespace, catalog: TierCatalog) -> int:
-    from tiered.tiers.retention import apply_retention
+    from tiered.tiers.retention import apply_retention, reclaim_debris
 
+    verb = "would remove" if args.dry_run else "removed"
+    for name, lines in reclaim_debris(catalog.config, catalog.get, dry_run=args.dry_run).items():
+        print(f"tier {name!r}: {verb} {len(lines) or 'no'} leftover{'s' if len(lines) != 1 else ''} of writers "
+              "that stopped")
+        for line in lines:
+            print(f"  {line}")
     rules = {t.name: t for t in catalog.config.tiers if t.retention}
     if not rules:
-        print("no tier has keep_last or keep_every: nothing to collect")
+        print("no tier has keep_last or keep_every: no step to collect")
         return EXIT_OK
     done = apply_retention(catalog.config, catalog.get, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -293,7 +299,7 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
     from tiered.migrate.migrator import (MigrationLock, background_threads, lower_process_priority, make_gpu_recoder,
                                          migrate_down, pending_steps)
     from tiered.stage.cpu import WindowBuffers
-    from tiered.tiers.retention import apply_retention
+    from tiered.tiers.retention import apply_retention, reclaim_debris
 
     config = catalog.config
     if len(config.tiers) < 2:
@@ -310,6 +316,7 @@ def cmd_migrate(args: argparse.Namespace, catalog: TierCatalog) -> int:
     try:
         if not args.full_speed:
             lower_process_priority()  # (before any thread starts: they inherit it)
+        reclaim_debris(config, catalog.get)  # what an earlier, killed run left (each removal is logged)
         gpu = make_gpu_recoder(config)
         log.info("tiered: migrating %s%s (%s)", " -> ".join(catalog.names), ", following" if args.follow else "",
                  "GPU recompression" if gpu is not None else "CPU recompression")
@@ -428,8 +435,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ve.add_argument("--tier", metavar="TIER", help="only this tier (default: every tier)")
     ve.add_argument("--quick", action="store_true", help="checksums only, no decoding")
     ve.set_defaults(fn=cmd_verify)
-    gc = sub.add_parser("gc", help="apply the tiers' retention rules (keep_last, keep_every)",
-                        description="Delete the steps each tier's keep_last / keep_every rules let go. Never the "
+    gc = sub.add_parser("gc", help="remove stopped writers' leftovers; apply the retention rules (keep_last, "
+                                   "keep_every)",
+                        description="Remove what writers that stopped left on every tier (uncommitted copies, "
+                                    "unfinished deletions and uploads: a process of this host that has exited, "
+                                    "or files of another host unchanged for 6 hours), then delete the steps each "
+                                    "tier's keep_last / keep_every rules let go. Never the "
                                     "newest step, never one a restore or a migration is reading; above the last "
                                     "tier, only once a slower tier holds the step or no slower tier would keep it. "
                                     "The last tier (or the only one) is bounded by its rules too. The engine and "

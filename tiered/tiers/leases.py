@@ -3,9 +3,10 @@
 Within a process, a registry of (tier location, step). Across processes (the migrator's child
 process applying retention while the training process restores; `tiered gc` beside a running
 job), a lease file per use on filesystem tiers, under ``<root>/.tiered-leases/``, named
-``<step>__<host>__<pid>__<nonce>``. A lease of this host whose process has exited is stale and is
-removed when found; one of another host counts for `FOREIGN_TTL_S` after it was written (a
-process there cannot be asked whether it still runs). An S3 tier has the in-process registry only.
+``<step>__<writer id>`` (`tiered.tiers.writers`). A lease of this host whose process has exited is
+stale and is removed when found; one of another host counts for `FOREIGN_TTL_S` after it was
+written (a process there cannot be asked whether it still runs). An S3 tier has the in-process
+registry only.
 
     with hold(order, step):          # every tier the read may touch
         ...read the step...
@@ -17,22 +18,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from tiered.tiers.writers import FOREIGN_TTL_S, HOST, alive, new_writer_id, parse_writer_id
+
 log = logging.getLogger("tiered")
 LEASE_DIR = ".tiered-leases"
-FOREIGN_TTL_S = 6 * 3600
-"""How long a lease written by another host keeps its step from retention."""
+__all__ = ["FOREIGN_TTL_S", "LEASE_DIR", "hold", "held_steps", "location"]
 
 _lock = threading.Lock()
 _held: Counter = Counter()
-_HOST = socket.gethostname().replace("__", "_")
 
 
 def location(tier: Any) -> str:
@@ -79,12 +78,13 @@ def held_steps(tier: Any) -> set[int]:
         return out
     now = time.time()
     for entry in entries:
-        parts = entry.name.split("__")
-        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit():
+        step_text, _, writer = entry.name.partition("__")
+        parsed = parse_writer_id(writer)
+        if not step_text.isdigit() or parsed is None:
             continue
-        step, host, pid = int(parts[0]), parts[1], int(parts[2])
-        if host == _HOST:
-            if _alive(pid):
+        step, (host, pid) = int(step_text), parsed
+        if host == HOST:
+            if alive(pid):
                 out.add(step)
             else:
                 with contextlib.suppress(OSError):
@@ -102,7 +102,7 @@ def _write_lease(tier: Any, step: int) -> Path | None:
     if root is None:
         return None
     folder = Path(root) / LEASE_DIR
-    path = folder / f"{step}__{_HOST}__{os.getpid()}__{uuid.uuid4().hex[:12]}"
+    path = folder / f"{step}__{new_writer_id()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path.touch(exist_ok=False)
@@ -111,12 +111,3 @@ def _write_lease(tier: Any, step: int) -> Path | None:
         return None
     return path
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

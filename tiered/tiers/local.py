@@ -1,448 +1,61 @@
 """Node-local tier (NVMe): step directories under a root path.
 
-GPU buffers are written and read with KvikIO (cuFile): GPUDirect Storage where the driver and
-filesystem support it, KvikIO's POSIX compat mode otherwise; which one ran is logged once and
-recorded in each index (`io`). Host buffers use POSIX pwrite, with O_DIRECT where the filesystem
-supports it (every extent is 4 KiB aligned in offset, length and memory). Data is fsynced before
-the index and the manifest are written; the manifest is committed by write-temp, fsync, rename,
-fsync(directory).
+    <root>/step_000000000100/                            a committed step: manifest.json, rank files
+    <root>/.step_000000000100__<writer>.writing/         that step while one process writes it
+    <root>/.step_000000000100__<writer>.deleting/        a step being deleted
+    <root>/.tiered-leases/                               steps in use (tiered.tiers.leases)
+
+**One writer per step.** A process writing a step (`begin_step`) writes it into a work directory
+of its own and commits it by writing the manifest there and renaming the directory to the step's
+name. rename(2) onto a directory that is not empty fails, so a commit never replaces a committed
+step: of two writers of one step, the second to commit fails and says so, and no reader ever sees
+a mix of their files or a step without its manifest. The ranks of a distributed save (several
+processes, one directory: `begin_rank`) write into the step's directory itself, each process
+marking it with a ``.writer__<writer>`` file while it writes; their commit links the manifest into
+place (link(2) never replaces either; the same manifest from another node counts as done). A
+damaged step is replaced only by a new copy built aside (`commit(..., replace=True)`: the two
+directories exchanged atomically where the filesystem can, renameat2). Deleting a step renames its
+directory away (readers stop seeing it at once) and then removes it.
+
+**Debris** (a killed writer's work directory, a killed deletion, a distributed step whose writers
+all stopped before the commit) is what no live writer owns (`tiered.tiers.writers`):
+`reclaim_debris` removes it, called by `tiered gc` and by the engine at start-up on its fast tier.
+
+**Hostile files.** Steps are real directories holding a regular manifest; every file of a step is
+opened through `tiered.tiers.files` (regular files only, no link followed out of the step).
+
+File I/O (KvikIO, O_DIRECT, fsync) is `tiered.tiers.local_io`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
-import mmap
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
-from tiered.format.manifest import (ALIGNMENT, MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names,
-                                    safe_name, step_dir_name)
+from tiered.errors import FormatError, TieredError
+from tiered.format.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
+                                    step_dir_name)
 from tiered.tiers.base import committed_error
-from tiered.tiers.host_writes import HostWrites
+from tiered.tiers.files import is_real_dir, is_regular, open_regular, read_bounded
+from tiered.tiers.local_io import (IO_TASK, AlignedBuffer, LocalDataReader, LocalDataWriter, durable_tmp,
+                                   drain_quietly, fsync_dir, kvikio_mode, replace_durably, wait_done, wait_futures)
+from tiered.tiers.writers import FOREIGN_TTL_S, abandon, new_writer_id, writer_live
+
+__all__ = ["DELETING", "IO_TASK", "WRITING", "durable_tmp", "AlignedBuffer", "LocalDataReader", "LocalDataWriter", "LocalTier", "drain_quietly",
+           "fsync_dir", "kvikio_mode", "replace_durably", "wait_done", "wait_futures"]
 
 log = logging.getLogger("tiered")
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_logged_modes: set[str] = set()
-
-
-def _open_direct(path: Any, flags: int, direct_io: str) -> int:
-    """`path` opened with `flags` and O_DIRECT; -1 where the filesystem refuses O_DIRECT
-    (EINVAL) and `direct_io` is auto. Under `direct_io: on`, or for any other error, a
-    TieredError naming the field."""
-    try:
-        return os.open(path, flags | _O_DIRECT, 0o644)
-    except OSError as exc:
-        if direct_io == "on" or exc.errno != errno.EINVAL:
-            raise TieredError(f"{path}: cannot open with O_DIRECT ({exc.strerror}); "
-                              "set direct_io: auto or off for this tier") from None
-        return -1
-
-
-def _log_mode_once(mode: str, detail: str) -> None:
-    if mode not in _logged_modes:
-        _logged_modes.add(mode)
-        log.info("tiered: %s", detail)
-
-
-IO_THREADS = 4
-"""KvikIO threads for the large requests below, unless KVIKIO_NTHREADS says otherwise."""
-IO_TASK = 16 << 20
-"""Bytes per KvikIO task: requests are split into tasks of this size, run on its threads."""
-_configured = False
-
-
-def kvikio_mode() -> str:
-    """"kvikio-gds" or "kvikio-compat" (imports KvikIO; call only where CUDA is in use).
-
-    On first use it also sets KvikIO's thread pool to IO_THREADS threads and, in compat mode,
-    O_DIRECT reads, unless KVIKIO_NTHREADS / KVIKIO_AUTO_DIRECT_IO_READ are set. KvikIO's
-    defaults are one thread and buffered reads: measured on the lent H100s (docs/architecture.md,
-    "KvikIO settings"), 2 GB of reads into GPU memory ran at 1.5-1.6 GB/s that way and at
-    2.1 GB/s with 4 threads, 16 MiB tasks and O_DIRECT. These are process-wide KvikIO settings.
-    """
-    global _configured
-    import kvikio.defaults
-
-    mode = "kvikio-compat" if kvikio.defaults.is_compat_mode_preferred() else "kvikio-gds"
-    if not _configured:
-        _configured = True
-        settings: dict[str, Any] = {}
-        if "KVIKIO_NTHREADS" not in os.environ and kvikio.defaults.get("num_threads") < IO_THREADS:
-            settings["num_threads"] = IO_THREADS
-        if mode == "kvikio-compat" and "KVIKIO_AUTO_DIRECT_IO_READ" not in os.environ:
-            settings["auto_direct_io_read"] = True
-        if settings:
-            kvikio.defaults.set(settings)
-        log.info("tiered: KvikIO %s: %d I/O threads, %d MiB tasks, O_DIRECT reads %s, O_DIRECT writes %s", mode,
-                 kvikio.defaults.get("num_threads"), IO_TASK >> 20, _on(kvikio.defaults, "auto_direct_io_read"),
-                 _on(kvikio.defaults, "auto_direct_io_write"))
-    return mode
-
-
-def _on(defaults: Any, key: str) -> str:
-    try:
-        return "on" if defaults.get(key) else "off"
-    except (KeyError, ValueError, AttributeError):  # an older KvikIO without the setting
-        return "n/a"
-
-
-def _durable_tmp(path: Path, data: bytes) -> Path:
-    """`data` written and fsync'd beside `path`, under a temporary name of this process and
-    thread (ranks of other nodes may write the same file into a shared directory)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_durably(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole, durably, or its old content: written beside it and fsync'd,
-    renamed over it, and the directory fsync'd (a small file outside any step: a trainer's
-    checkpoint pointer, a metrics file)."""
-    os.replace(_durable_tmp(path, data), path)
-    fsync_dir(path.parent)
-
-
-class AlignedBuffer:
-    """Page-aligned host memory (what O_DIRECT needs), reused across writes."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._mm = mmap.mmap(-1, size)
-        self.view = memoryview(self._mm)
-
-    def close(self) -> None:
-        self.view.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            # A slice is still referenced (by the traceback of a failed write, which the save's
-            # error keeps): the mapping is freed with it. Raising here would hide that error.
-            pass
-
-
-class LocalDataWriter:
-    """Writes one rank's data file. Host extents: POSIX (O_DIRECT when possible). Device extents:
-    KvikIO, asynchronously; close() waits for every pending write, then fsyncs."""
-
-    def __init__(self, path: Path, direct_io: str, device: bool):
-        self.path = path
-        self._fd = -1
-        self._direct = False
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        if direct_io != "off" and _O_DIRECT:
-            self._fd = _open_direct(path, flags, direct_io)
-            self._direct = self._fd >= 0
-        if self._fd < 0:
-            self._fd = os.open(path, flags, 0o644)
-        self._direct_policy = direct_io
-        self._bounce: AlignedBuffer | None = None
-        self._cufile: Any = None
-        self._futures: list[Any] = []
-        self._host = HostWrites(self._pwrite_all, IO_THREADS, IO_TASK, "tiered-write")
-        self._reopen = threading.Lock()
-        self._end = 0
-        host_mode = "posix-odirect" if self._direct else "posix-buffered"
-        self.io_mode = host_mode
-        if device:
-            import kvikio
-
-            self._cufile = kvikio.CuFile(str(path), "r+")
-            mode = kvikio_mode()
-            _log_mode_once(mode, f"KvikIO writes GPU buffers in {'GPUDirect Storage' if mode == 'kvikio-gds' else 'compat (POSIX) mode: GDS is not available'}")
-            self.io_mode = f"{mode}+{host_mode}"
-
-    def write_host(self, offset: int, buf: memoryview) -> None:
-        n = len(buf)
-        if offset % ALIGNMENT or n % ALIGNMENT:
-            raise ValueError(f"unaligned extent at {offset}+{n}")
-        if self._direct and not _is_aligned(buf):
-            if self._bounce is None or self._bounce.size < n:
-                if self._bounce is not None:
-                    self._bounce.close()
-                self._bounce = AlignedBuffer(max(n, 8 << 20))
-            self._bounce.view[:n] = buf
-            buf = self._bounce.view[:n]
-        self._pwrite_all(buf, offset)
-        self._end = max(self._end, offset + n)
-
-    def write_host_async(self, offset: int, buf: memoryview, on_done: Any = None) -> None:
-        """Write a page-aligned host extent at `offset` in IO_TASK pieces on IO_THREADS threads
-        (large O_DIRECT requests in parallel reach more of the disk than one thread); then call
-        `on_done()`, whether or not it failed. Failures are raised by wait() and close()."""
-        n = len(buf)
-        if offset % ALIGNMENT or n % ALIGNMENT:
-            raise ValueError(f"unaligned extent at {offset}+{n}")
-        if self._direct and not _is_aligned(buf):
-            self.write_host(offset, buf)
-            if on_done is not None:
-                on_done()
-            return
-        self._host.submit(offset, buf, on_done)
-        self._end = max(self._end, offset + n)
-
-    def _pwrite_all(self, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buf):
-            try:
-                done += os.pwrite(self._fd, buf[done:], offset + done)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL and self._direct and self._direct_policy == "auto":
-                    # The filesystem accepted O_DIRECT at open but refuses this write: go buffered.
-                    with self._reopen:
-                        if self._direct:
-                            log.info("tiered: %s: O_DIRECT write refused, falling back to buffered I/O", self.path)
-                            fd = os.open(self.path, os.O_WRONLY, 0o644)
-                            old, self._fd, self._direct = self._fd, fd, False
-                            os.close(old)
-                            self.io_mode = self.io_mode.replace("posix-odirect", "posix-buffered")
-                    continue
-                raise TieredError(f"{self.path}: write of {len(buf)} bytes at offset {offset} failed: "
-                                  f"{exc.strerror}") from None
-
-    def write_device(self, offset: int, buf: torch.Tensor) -> Any:
-        """Start writing a GPU buffer at `offset`; returns the KvikIO future (close() collects it)."""
-        if self._cufile is None:
-            raise TieredError("write_device on a writer opened without device support")
-        future = self._cufile.pwrite(buf, size=buf.numel(), file_offset=offset, task_size=IO_TASK)
-        self._futures.append(future)
-        self._end = max(self._end, offset + buf.numel())
-        return future
-
-    def wait(self) -> None:
-        futures, self._futures = self._futures, []
-        try:
-            wait_futures(futures)
-        finally:
-            self._host.wait()  # (all of them finish before any failure is raised)
-
-    def wait_for(self, future: Any) -> None:
-        """Wait until one write is done (its result is collected by wait() or close(); a future
-        they have already collected is done)."""
-        if any(f is future for f in self._futures):
-            wait_done(future)
-
-    def close(self) -> int:
-        """Wait, fsync, close. Returns the file size."""
-        try:
-            self.wait()
-            if self._cufile is not None:
-                self._cufile.close()
-                self._cufile = None
-            os.fsync(self._fd)
-        except OSError as exc:
-            raise TieredError(f"{self.path}: fsync failed: {exc.strerror}") from None
-        finally:
-            self._release()
-        return self._end
-
-    def abort(self) -> None:
-        try:
-            self.wait()
-        except Exception:  # noqa: BLE001 - already failing; the step stays uncommitted
-            pass
-        self._release()
-
-    def _release(self) -> None:
-        self._host.close()
-        if self._cufile is not None:
-            self._cufile.close()
-            self._cufile = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._bounce is not None:
-            self._bounce.close()
-            self._bounce = None
-
-
-def _read_small(path: Path, max_bytes: int, missing: str) -> bytes:
-    """A manifest or index: refused beyond `max_bytes`; CheckpointNotFoundError(`missing`) if absent."""
-    try:
-        if path.stat().st_size > max_bytes:
-            raise FormatError(f"{path}: larger than the {max_bytes} bytes allowed")
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(missing) from None
-
-
-def wait_done(future: Any) -> None:
-    """Wait until a KvikIO future is done, without taking its result (get() belongs to whoever
-    collects it) and without holding the GIL in a native wait (see wait_futures)."""
-    delay = 1e-4
-    while not future.done():
-        time.sleep(delay)
-        delay = min(delay * 2, 2e-3)
-
-
-def drain_quietly(futures: list[Any]) -> None:
-    """On a failure path: wait until none of `futures` is still running, ignoring their errors
-    (and futures whose result was already taken, which KvikIO then reports as invalid)."""
-    for f in futures:
-        try:
-            wait_done(f)
-        except Exception:  # noqa: BLE001 - already failing; this only makes sure the I/O has stopped
-            pass
-
-
-def wait_futures(futures: list[Any]) -> None:
-    """Wait for KvikIO futures without holding the GIL in a native wait.
-
-    A blocking `IOFuture.get()` may keep the GIL for the whole write; the training thread would
-    then stall behind the background writer. Polling `done()` leaves the GIL to other threads.
-    """
-    for f in futures:
-        wait_done(f)
-        f.get()
-
-
-def _is_aligned(buf: memoryview) -> bool:
-    import ctypes
-
-    if buf.readonly:
-        return False
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    return addr % ALIGNMENT == 0
-
-
-DIRECT_READ_MIN = 1 << 20
-"""Host reads of at least this many bytes, page-aligned in offset and memory, use O_DIRECT (where
-the tier's `direct_io` allows it): a migration or restore reads windows of up to 64 MiB into
-page-aligned buffers. Through the page cache such a read costs a kernel copy of every byte (on
-the 2-core CPU machine, ~31% of the client's CPU in a 275 MB upload to S3, which that machine's
-two cores bound) and fills the cache with checkpoint data that will not be read again, evicting
-what training reads (its data set). Smaller or unaligned reads (single chunks, indexes) stay
-buffered."""
-
-
-class LocalDataReader:
-    """Reads one rank's data file: host ranges with POSIX reads (large aligned ones O_DIRECT,
-    `DIRECT_READ_MIN`), device ranges with KvikIO."""
-
-    parallel_reads = 2
-    """Windows a migration or restore reads at once from this file (`tiered.stage.cpu.chunk_windows`).
-    One O_DIRECT read of a window already keeps the disk's queue full; windows read at once
-    share the disk and land together, so the one needed first waits for all of them: with 8 at
-    once, a 2,000-tensor step's first window (3 MiB) landed with the 120 MiB read beside it,
-    34-64 ms after it was asked for, while the copy's pool waited (2-core CPU machine, session
-    37; docs/benchmarks.md). Two: the next window, and one read ahead. A shared filesystem's
-    reader reads more at once (`tiered.tiers.posix`)."""
-
-    def __init__(self, path: Path, device: bool, direct_io: str = "auto"):
-        self.path = str(path)
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: data file is missing") from None
-        self.size = os.fstat(self._fd).st_size
-        self._direct_policy = direct_io if _O_DIRECT else "off"
-        self._direct_fd = -1
-        """A second descriptor, opened with O_DIRECT on the first read that can use it."""
-        self._direct_lock = threading.Lock()
-        self._cufile: Any = None
-        self.io_mode = "posix"
-        if device:
-            import kvikio
-
-            self._cufile = kvikio.CuFile(self.path, "r")
-            self.io_mode = kvikio_mode()
-
-    def _check(self, offset: int, size: int) -> None:
-        if offset + size > self.size:
-            raise TieredError(f"{self.path}: file is truncated: needs bytes {offset}..{offset + size}, "
-                              f"has {self.size}")
-
-    def read_host(self, offset: int, size: int) -> memoryview:
-        view = memoryview(bytearray(size))
-        self.read_into(offset, view)
-        return view
-
-    def prefetch(self, offset: int, out: memoryview) -> bool:
-        """Declined: a file's reads start at once (see the DataReader protocol)."""
-        return False
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        size = len(out)
-        self._check(offset, size)
-        done = 0
-        if size >= DIRECT_READ_MIN and not offset % ALIGNMENT and self._direct_policy != "off" and _is_aligned(out):
-            done = self._read_direct(offset, out)
-        while done < size:  # buffered: the whole range, or what O_DIRECT left (an unaligned tail)
-            n = os.preadv(self._fd, [out[done:]], offset + done)
-            if n == 0:
-                raise TieredError(f"{self.path}: unexpected end of file at {offset + done}")
-            done += n
-
-    def _read_direct(self, offset: int, out: memoryview) -> int:
-        """Read the whole pages of `out` (page-aligned, at a page-aligned `offset`) with O_DIRECT;
-        returns the bytes read, which the caller completes with buffered reads. 0 where the
-        filesystem refuses O_DIRECT (`direct_io: auto`: reads stay buffered from then on)."""
-        fd = self._direct_descriptor()
-        if fd < 0:
-            return 0
-        whole = len(out) - len(out) % ALIGNMENT
-        done = 0
-        while done < whole:
-            try:
-                n = os.preadv(fd, [out[done:whole]], offset + done)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                if self._direct_policy == "on":
-                    raise TieredError(f"{self.path}: O_DIRECT read refused ({exc.strerror}); "
-                                      "set direct_io: auto or off for this tier") from None
-                self._direct_policy = "off"
-                _log_mode_once("direct-read-refused", f"{self.path}: O_DIRECT read refused, reading through the "
-                                                      "page cache")
-                break
-            done += n
-            if n % ALIGNMENT or not n:  # the end of the file (or a short read): the rest buffered
-                break
-        return done
-
-    def _direct_descriptor(self) -> int:
-        with self._direct_lock:
-            if self._direct_fd < 0:
-                self._direct_fd = _open_direct(self.path, os.O_RDONLY, self._direct_policy)
-                if self._direct_fd < 0:
-                    self._direct_policy = "off"
-            return self._direct_fd
-
-    def read_device_async(self, offset: int, size: int, out: torch.Tensor) -> Any:
-        self._check(offset, size)
-        return self._cufile.pread(out, size=size, file_offset=offset, task_size=IO_TASK)
-
-    def read_device(self, offset: int, size: int, out: torch.Tensor) -> None:
-        self.read_device_async(offset, size, out).get()
-
-    def close(self) -> None:
-        if self._cufile is not None:
-            self._cufile.close()
-            self._cufile = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._direct_fd >= 0:
-            os.close(self._direct_fd)
-            self._direct_fd = -1
+WRITING, DELETING = ".writing", ".deleting"
+"""Suffixes of the hidden directories beside the steps: a step being written, one being deleted."""
+_MARK = ".writer__"
+_LINKLESS = {errno.EPERM, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", -1), getattr(errno, "EOPNOTSUPP", -1)}
+"""link(2) errors of a filesystem without hard links."""
 
 
 class LocalTier:
@@ -453,6 +66,11 @@ class LocalTier:
         self.name = name
         self.root = Path(root).absolute()
         self.direct_io = direct_io
+        self._lock = threading.Lock()
+        self._work: dict[int, Path] = {}
+        """Steps this object writes alone (`begin_step`) -> their work directories."""
+        self._marks: dict[int, Path] = {}
+        """Distributed steps this process writes ranks of (`begin_rank`) -> its writer mark."""
 
     def __repr__(self) -> str:
         return f"LocalTier({self.name!r}, {str(self.root)!r})"
@@ -460,39 +78,69 @@ class LocalTier:
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
 
+    def _files(self, step: int) -> Path:
+        """Where the files of `step` are written and read: this writer's work directory while it
+        writes the step alone, else the step's directory."""
+        with self._lock:
+            return self._work.get(step) or self.step_dir(step)
+
+    # --- listing ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        if not self.root.is_dir():
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
             return []
         out = []
-        for entry in os.scandir(self.root):
+        for entry in entries:
             step = parse_step_dir(entry.name)
-            if step is not None and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+            if step is not None and entry.is_dir(follow_symlinks=False) and \
+                    is_regular(Path(entry.path) / MANIFEST_NAME):
                 out.append(step)
         return sorted(out)
 
     def has_step(self, step: int) -> bool:
-        return (self.step_dir(step) / MANIFEST_NAME).is_file()
+        d = self.step_dir(step)
+        return is_real_dir(d) and is_regular(d / MANIFEST_NAME)
 
+    # --- writing ---------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        d = self._uncommitted_dir(step)
-        if d.exists():
-            log.info("tiered: removing uncommitted leftovers of step %d in %s", step, d)
-            shutil.rmtree(d)
-        self._make_dir(d)
+        """Start writing `step` alone: refuse a committed step; the files go to a work directory
+        of this writer's own until the commit."""
+        if self.has_step(step):
+            raise committed_error(self.name, step, str(self.step_dir(step)))
+        work = self._aside(step_dir_name(step), WRITING)
+        self._make_dir(work)
+        with self._lock:
+            old, self._work[step] = self._work.get(step), work
+        if old is not None:  # an attempt of this writer that was neither committed nor discarded
+            shutil.rmtree(old, ignore_errors=True)
 
     def begin_rank(self, step: int, rank: int) -> None:
         """Start one rank's files of a step that several ranks write into one directory: refuse a
-        committed step, remove only this rank's leftovers (others may be writing beside it)."""
-        d = self._uncommitted_dir(step)
+        committed step, mark the directory as written by this process, remove only this rank's
+        leftovers (others may be writing beside it)."""
+        d = self.step_dir(step)
+        if self.has_step(step):
+            raise committed_error(self.name, step, str(d))
         self._make_dir(d)
+        if not is_real_dir(d):
+            raise FormatError(f"{d}: not a directory of this tier (a symbolic link?): refused")
+        with self._lock:
+            mark = self._marks.get(step)
+            if mark is None:
+                mark = self._marks[step] = d / f"{_MARK}{new_writer_id()}"
+                os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+        if self.has_step(step):  # committed between the check above and the mark (a rename into place)
+            self._unmark(step)
+            raise committed_error(self.name, step, str(d))
         for name in rank_file_names(rank):
             (d / name).unlink(missing_ok=True)
 
-    def _uncommitted_dir(self, step: int) -> Path:
-        d = self.step_dir(step)
-        if (d / MANIFEST_NAME).exists():
-            raise committed_error(self.name, step, str(d))
-        return d
+    def _unmark(self, step: int) -> None:
+        with self._lock:
+            mark = self._marks.pop(step, None)
+        if mark is not None:
+            mark.unlink(missing_ok=True)
 
     @staticmethod
     def _make_dir(d: Path) -> None:
@@ -501,37 +149,226 @@ class LocalTier:
         except OSError as exc:
             raise TieredError(f"{d}: cannot create step directory: {exc.strerror}") from None
 
+    def discard(self, step: int) -> None:
+        """Remove this writer's uncommitted files of `step` after a failure (never a committed
+        step, never another writer's files)."""
+        with self._lock:
+            work = self._work.pop(step, None)
+        if work is not None:
+            abandon(work.name[1:-len(WRITING)].partition("__")[2])  # (what rmtree leaves is debris)
+            shutil.rmtree(work, ignore_errors=True)
+
     def discard_rank(self, step: int, rank: int) -> None:
         """Remove one rank's files of an uncommitted step (never those of a committed step)."""
         d = self.step_dir(step)
-        if d.is_dir() and not (d / MANIFEST_NAME).exists():
+        if is_real_dir(d) and not self.has_step(step):
             for name in rank_file_names(rank):
                 (d / name).unlink(missing_ok=True)
+        self._unmark(step)
 
     def file_size(self, step: int, name: str) -> int | None:
-        """Bytes of a file of the step, or None where it is missing."""
-        try:
-            return (self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "file name")).stat().st_size
-        except FileNotFoundError:
-            return None
+        """Bytes of a regular file of the step, or None where it is missing."""
+        d = self._files(step)
+        path = d / safe_name(name, str(d), "file name")
+        return path.stat().st_size if is_regular(path) else None
 
-    def discard(self, step: int) -> None:
-        """Remove an uncommitted step's files (never a committed step)."""
+    def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> LocalDataWriter:
+        d = self._files(step)
+        return LocalDataWriter(d / safe_name(name, str(d), "data file"), self.direct_io, device)
+
+    def write_file(self, step: int, name: str, data: bytes) -> None:
+        # By rename, so that a reader never sees a partial file even where several nodes write
+        # the same file (a step's DCP metadata on a shared tier).
+        d = self._files(step)
+        path = d / safe_name(name, str(d), "file name")
+        os.replace(durable_tmp(path, data), path)
+
+    def commit(self, step: int, manifest: bytes, replace: bool = False) -> None:
+        """Commit `step`: the manifest, durable, then the step in place under its name. Never
+        replaces a committed step, except with `replace` (a copy built aside to stand in for a
+        damaged one: `begin_step` first), which swaps the two and removes the old."""
+        with self._lock:
+            work = self._work.get(step)
+        if work is None:
+            if replace:
+                raise TieredError(f"step {step}: a replacing commit needs the copy built aside (begin_step)")
+            self._commit_in_place(step, manifest)
+            return
+        tmp = durable_tmp(work / MANIFEST_NAME, manifest)
+        os.replace(tmp, work / MANIFEST_NAME)
+        fsync_dir(work)
         d = self.step_dir(step)
-        if d.is_dir() and not (d / MANIFEST_NAME).exists():
-            shutil.rmtree(d, ignore_errors=True)
+        if replace and self.has_step(step):
+            self._exchange(work, d)
+        else:
+            self._rename_into_place(step, work, d)
+        with self._lock:
+            self._work.pop(step, None)
+        fsync_dir(self.root)
+
+    def _rename_into_place(self, step: int, work: Path, d: Path) -> None:
+        for attempt in range(2):
+            try:
+                os.rename(work, d)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise TieredError(f"{d}: cannot commit step {step}: {exc.strerror}") from None
+            if self.has_step(step):
+                raise TieredError(f"step {step} was committed in tier {self.name!r} ({d}) by another writer while "
+                                  "this one wrote it: steps are immutable, this copy is discarded (save under a "
+                                  "new step number, or give each job its own directory)")
+            if not is_real_dir(d):
+                raise FormatError(f"{d}: in the way of step {step}'s commit and not a directory of this tier "
+                                  "(a file or a symbolic link): remove it")
+            live = self._live_writers(d)
+            if live or attempt:
+                raise TieredError(f"step {step} is being written in {d} by another writer ({live or 'unknown'}): "
+                                  "this copy is discarded")
+            log.info("tiered: %s: removing the uncommitted files of a stopped writer of step %d", d, step)
+            self._remove(d)
+
+    def _commit_in_place(self, step: int, manifest: bytes) -> None:
+        """The commit of a step whose ranks wrote into its directory: link the manifest in (a link
+        never replaces); a manifest already there with the same bytes (another node committed the
+        same step) counts as this commit."""
+        d = self.step_dir(step)
+        if not is_real_dir(d):
+            raise FormatError(f"{d}: not a directory of this tier: cannot commit step {step}")
+        tmp: Path | None = durable_tmp(d / MANIFEST_NAME, manifest)
+        try:
+            try:
+                os.link(tmp, d / MANIFEST_NAME)
+            except FileExistsError:
+                self._same_manifest(step, manifest)
+            except OSError as exc:
+                if exc.errno not in _LINKLESS:
+                    raise TieredError(f"{d}: cannot commit step {step}: {exc.strerror}") from None
+                # A filesystem without hard links: check, then rename (two steps there).
+                if self.has_step(step):
+                    self._same_manifest(step, manifest)
+                else:
+                    os.replace(tmp, d / MANIFEST_NAME)
+                    tmp = None
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+        fsync_dir(d)
+        fsync_dir(self.root)
+        for entry in os.scandir(d):
+            if entry.name.startswith(_MARK):
+                Path(entry.path).unlink(missing_ok=True)
+        with self._lock:
+            self._marks.pop(step, None)
+
+    def _same_manifest(self, step: int, manifest: bytes) -> None:
+        if self.read_manifest(step) != manifest:
+            raise TieredError(f"step {step} was committed in tier {self.name!r} ({self.step_dir(step)}) by another "
+                              "writer with other contents: steps are immutable, this one is not committed")
+
+    def _exchange(self, work: Path, d: Path) -> None:
+        """Put the copy in `work` in place of the committed step `d` (its manifest is there) and
+        remove the old: atomically where the filesystem exchanges directories (renameat2), else
+        by two renames (for a moment the step is on neither name: readers fall back)."""
+        if _exchange_dirs(work, d):
+            self._remove(work)
+            return
+        aside = self._aside(d.name, DELETING)
+        os.rename(d, aside)
+        os.rename(work, d)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def delete(self, step: int) -> None:
-        """Delete a committed step: the manifest goes first (readers stop seeing the step at once,
-        and a crash part-way leaves only uncommitted debris), then the rest."""
+        """Delete a committed step: its directory is renamed away first (readers stop seeing the
+        step at once; a crash part-way leaves debris that `reclaim_debris` removes), then removed.
+        A step name that is a link is refused and left alone."""
         d = self.step_dir(step)
+        if os.path.islink(d):
+            raise FormatError(f"{d}: a symbolic link, not a step directory of this tier: left alone")
+        self._remove(d)
+
+    def _aside(self, step_name: str, kind: str) -> Path:
+        """A hidden directory beside the steps (same directory: renames stay within it), owned by
+        a new writer id of this process."""
+        return self.root / f".{step_name}__{new_writer_id()}{kind}"
+
+    def _remove(self, d: Path) -> None:
+        aside = self._aside(d.name, DELETING)
         try:
-            (d / MANIFEST_NAME).unlink()
+            os.rename(d, aside)
         except FileNotFoundError:
-            pass
-        else:
-            fsync_dir(d)
-        shutil.rmtree(d, ignore_errors=True)
+            return
+        fsync_dir(self.root)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    # --- debris ----------------------------------------------------------------------------
+    def _live_writers(self, d: Path) -> str:
+        """The writers that may still be at work in the uncommitted step directory `d` ('' for
+        none): its marks' processes where they run; a directory without marks whose files changed
+        within FOREIGN_TTL_S counts as written by an unknown writer."""
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            return ""
+        marks = [e for e in entries if e.name.startswith(_MARK)]
+        if marks:
+            return ", ".join(e.name[len(_MARK):] for e in marks
+                             if writer_live(e.name[len(_MARK):], e.stat(follow_symlinks=False).st_mtime))
+        return "an unknown writer" if time.time() - _changed(d, entries) < FOREIGN_TTL_S else ""
+
+    def reclaim_debris(self, dry_run: bool = False) -> list[str]:
+        """Remove what no live writer owns: work directories of writers that stopped, deletions
+        that did not finish, uncommitted step directories whose writers all stopped. Returns one
+        line per removal (what, and why); with `dry_run` removes nothing."""
+        done: list[str] = []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            entries = []
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            kind = next((k for k in (WRITING, DELETING) if entry.name.startswith(".") and entry.name.endswith(k)), None)
+            if kind is not None:
+                step_name, _, writer = entry.name[1:-len(kind)].partition("__")
+                if parse_step_dir(step_name) is None or writer_live(writer, _changed(Path(entry.path))):
+                    continue
+                what = "an unfinished deletion" if kind == DELETING else "an uncommitted copy"
+                done.append(f"{entry.path}: {what} of {step_name} by a writer that stopped ({writer})")
+                if not dry_run:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            elif parse_step_dir(entry.name) is not None:
+                d = Path(entry.path)
+                if is_regular(d / MANIFEST_NAME) or self._live_writers(d):
+                    continue
+                done.append(f"{d}: an uncommitted step whose writers stopped")
+                if not dry_run:
+                    self._remove(d)
+        for line in done:
+            log.info("tiered: %s %s", "would remove" if dry_run else "removed", line)
+        return done
+
+    # --- reading ---------------------------------------------------------------------------
+    def read_manifest(self, step: int) -> bytes:
+        return read_bounded(self.step_dir(step), MANIFEST_NAME, MAX_MANIFEST_BYTES,
+                            f"step {step} is not committed in tier {self.name!r} ({self.root})")
+
+    def read_file(self, step: int, name: str, max_bytes: int) -> bytes:
+        d = self._files(step)
+        return read_bounded(d, safe_name(name, str(d), "file name"), max_bytes)
+
+    def open_data_reader(self, step: int, name: str, device: bool) -> LocalDataReader:
+        d = self._files(step)
+        name = safe_name(name, str(d), "data file")
+        fd = open_regular(d, name, f"{d / name}: data file is missing")
+        try:
+            return LocalDataReader(fd, d / name, device, self.direct_io)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def describe(self, step: int, name: str) -> str:
+        return str(self.step_dir(step) / name)
 
     def probe_bandwidth(self, nbytes: int) -> float:
         """Write `nbytes` to a scratch file the way a data file is written (host buffers, O_DIRECT
@@ -555,34 +392,30 @@ class LocalTier:
             block.close()
             path.unlink(missing_ok=True)
 
-    def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> LocalDataWriter:
-        return LocalDataWriter(self.step_dir(step) / name, self.direct_io, device)
 
-    def write_file(self, step: int, name: str, data: bytes) -> None:
-        # By rename, so that a reader never sees a partial file even where several nodes write
-        # the same file (a step's DCP metadata on a shared tier).
-        path = self.step_dir(step) / name
-        os.replace(_durable_tmp(path, data), path)
+def _changed(d: Path, entries: list[os.DirEntry] | None = None) -> float:
+    """When `d` or a file directly in it last changed (0 where it cannot be read)."""
+    newest = 0.0
+    try:
+        newest = os.lstat(d).st_mtime
+        for e in entries if entries is not None else os.scandir(d):
+            newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        pass
+    return newest
 
-    def commit(self, step: int, manifest: bytes) -> None:
-        d = self.step_dir(step)
-        tmp = _durable_tmp(d / MANIFEST_NAME, manifest)
-        fsync_dir(d)
-        os.replace(tmp, d / MANIFEST_NAME)
-        fsync_dir(d)
-        fsync_dir(self.root)
 
-    def read_manifest(self, step: int) -> bytes:
-        return _read_small(self.step_dir(step) / MANIFEST_NAME, MAX_MANIFEST_BYTES,
-                           f"step {step} is not committed in tier {self.name!r} ({self.root})")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
-    def read_file(self, step: int, name: str, max_bytes: int) -> bytes:
-        path = self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "file name")
-        return _read_small(path, max_bytes, f"{path}: file is missing")
 
-    def open_data_reader(self, step: int, name: str, device: bool) -> LocalDataReader:
-        return LocalDataReader(self.step_dir(step) / safe_name(name, str(self.step_dir(step)), "data file"), device,
-                               self.direct_io)
-
-    def describe(self, step: int, name: str) -> str:
-        return str(self.step_dir(step) / name)
+def _exchange_dirs(a: Path, b: Path) -> bool:
+    """Exchange two directories atomically (Linux renameat2 RENAME_EXCHANGE); False where the
+    system or filesystem cannot (then nothing was changed)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Callable
 
+from tiered.errors import TieredError
 from tiered.policy import Retention, eviction_reasons
 from tiered.tiers.leases import held_steps
 
@@ -63,3 +65,39 @@ def retain_without_migrator(config: Any, get_tier: Callable[[str], Any]) -> None
         apply_retention(config, get_tier)
     except Exception as exc:  # noqa: BLE001 - a save is never failed by its cleanup
         log.error("tiered: retention failed (tried again after the next save): %s", exc)
+
+
+def reclaim_debris(config: Any, get_tier: Callable[[str], Any], *, dry_run: bool = False) -> dict[str, list[str]]:
+    """On every tier, remove what writers that stopped left (uncommitted copies, unfinished
+    deletions and uploads): {tier: one line per removal}. A tier that cannot be listed is logged
+    and skipped."""
+    out: dict[str, list[str]] = {}
+    for t in config.tiers:
+        try:
+            out[t.name] = get_tier(t.name).reclaim_debris(dry_run=dry_run)
+        except (TieredError, OSError) as exc:
+            log.error("tiered: tier %r: cannot look for debris: %s", t.name, exc)
+    return out
+
+
+def reclaim_debris_in_background(tier: Any) -> threading.Event:
+    """Remove what stopped writers left on `tier` (`LocalTier.reclaim_debris`: uncommitted copies,
+    unfinished deletions) on a thread of its own, once, by the first local rank of a node; the
+    event is set when done (at once where there is nothing to do). Deleting gigabytes takes seconds,
+    never on the training thread."""
+    done = threading.Event()
+    reclaim = getattr(tier, "reclaim_debris", None)
+    if reclaim is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        done.set()
+        return done
+
+    def run() -> None:
+        try:
+            reclaim()
+        except OSError as exc:
+            log.warning("tiered: %s: could not remove what stopped writers left: %s", tier.root, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="tiered-reclaim", daemon=True).start()
+    return done

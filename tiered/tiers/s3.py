@@ -1,13 +1,23 @@
 """S3 tier: one object per file, under ``s3://bucket/prefix/step_<12 digits>/``.
 
-Data files are uploaded as parallel multipart uploads while they are written (parts sized to the
-object where its size is known, at most `part_size`; at most `max_concurrency` in flight: bounded
-memory); reads are ranged GETs, so a reader fetches only the chunks it needs, and a large range
-goes out as parallel GETs of `READ_PIECE` bytes. An empty data file is not uploaded at all (its index
-says `data_bytes: 0`, and readers do not open it). S3 has no rename: the manifest is the **last** object
-written, and a step without one does not exist. Credentials come only from the standard AWS
-chain (environment, shared config and `profile`, instance or pod role); they are never read from
-YAML, logged or stored. boto3 is imported on first use.
+    <prefix>/step_000000000100/MANIFEST.json                the commit: the last object written
+    <prefix>/step_000000000100/<writer>/rank_00000.data     the files of the writer that committed it
+    <prefix>/step_000000000100/rank_00000.data              files of a step whose ranks uploaded them
+                                                            from several nodes (`begin_rank`)
+
+S3 has no rename: the manifest is the **last** object written, and a step without one does not
+exist. **One writer per step**: a process writing a step alone (`begin_step`) uploads its files
+under a folder of its own (its writer id, `tiered.tiers.writers`), and commits by putting the
+manifest with ``If-None-Match: *`` (a conditional write: S3 since 2024, SeaweedFS, MinIO), naming
+that folder in the manifest object's metadata. The second of two writers of one step is refused
+by the server and fails, naming the step, and its files never mixed with the first writer's. A
+server that ignores the condition lets the last manifest win; each committed version is then
+still one writer's whole step (its own folder), never a mix. A replacing commit (a repaired copy
+built aside) puts the manifest unconditionally and then removes the old copy's objects.
+
+Credentials come only from the standard AWS chain (environment, shared config and `profile`,
+instance or pod role); they are never read from YAML, logged or stored. Object I/O is
+`tiered.tiers.s3_io`.
 """
 
 from __future__ import annotations
@@ -16,319 +26,23 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_step_dir, rank_file_names, safe_name,
                                     step_dir_name)
 from tiered.tiers.base import committed_error
-from tiered.units import round_up
+from tiered.tiers.s3_io import (MIN_PART, READ_PIECE, PartBuffers, S3DataReader, S3DataWriter, boto3_module,
+                                client_error, error_code, part_size_for)
+from tiered.tiers.writers import abandon, new_writer_id, parse_writer_id, writer_live
+
+__all__ = ["READ_PIECE", "PartBuffers", "S3DataReader", "S3DataWriter", "S3Tier", "part_size_for"]
 
 log = logging.getLogger("tiered")
-_MIN_PART = 5 * 1024 * 1024  # S3's minimum for every part but the last
-READ_PIECE = 8 * 1024 * 1024
-"""Bytes per ranged GET when a large range is read in parallel pieces."""
-_MIN_PREFETCH_PIECE = 1 << 20
-"""A prefetch of a small range still goes out as one GET per connection, of at least this many bytes."""
-
-
-def _boto3() -> Any:
-    try:
-        import boto3
-    except ImportError:
-        raise TieredError("the S3 tier needs boto3: pip install 'tiered[s3]'") from None
-    return boto3
-
-
-def _client_error(exc: Exception, what: str) -> TieredError:
-    """A clear, credential-free message for a failed S3 call (an S3 error answer, or a connection
-    that failed: botocore's message names the endpoint, never a key)."""
-    code = _code(exc)
-    if not code:
-        return TieredError(f"{what}: {type(exc).__name__}: {exc}")
-    hint = {
-        "InvalidAccessKeyId": "the access key is not known to this endpoint",
-        "SignatureDoesNotMatch": "the secret key does not match the access key",
-        "AccessDenied": "the credentials are not allowed to do this",
-        "NoSuchBucket": "the bucket does not exist",
-    }.get(code, "")
-    return TieredError(f"{what}: {code}{': ' + hint if hint else ''}")
-
-
-class PartBuffers:
-    """Part buffers kept between uploads, up to `limit` bytes: fresh memory costs a page fault per
-    4 KiB, which on the lent H100 machine made filling parts (one thread) the slower side of a
-    275 MB upload. The peak of an upload's own parts is what is kept (at most `max_concurrency`
-    + 1 parts of at most `part_size`), so a migrator keeps one upload's memory between steps.
-    Thread-safe."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._free: dict[int, list[bytearray]] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> bytearray:
-        with self._lock:
-            kept = self._free.get(size)
-            if kept:
-                self._bytes -= size
-                return kept.pop()
-        return bytearray(size)
-
-    def give(self, buf: bytearray) -> None:
-        size = len(buf)
-        with self._lock:
-            if size and self._bytes + size <= self.limit:
-                self._free.setdefault(size, []).append(buf)
-                self._bytes += size
-
-
-class S3DataWriter:
-    """Sequential writer of one object through a parallel multipart upload."""
-
-    io_mode = "s3-multipart"
-
-    def __init__(self, tier: "S3Tier", key: str, part_size: int):
-        self.tier, self.key, self.part_size = tier, key, part_size
-        self._buf = tier.spare.take(min(part_size, _MIN_PART))
-        """The part being filled: its first `_fill` bytes. Handed to the upload as it is when full
-        (one copy per byte, from the caller's buffer into the part), and the next one started in
-        a buffer an earlier part, or an earlier object's, has finished with (`S3Tier.spare`).
-        Parts start small and double up to `part_size` (S3 takes parts of any size from 5 MiB):
-        the first one goes out after 5 MiB written, not after a whole `part_size`."""
-        self._fill = 0
-        self._end = 0
-        self._upload_id: str | None = None
-        self._parts: list[Future] = []
-        self._slots = threading.Semaphore(tier.max_concurrency)
-
-    def write_host(self, offset: int, buf: memoryview) -> None:
-        if offset != self._end:
-            raise TieredError(f"{self.tier.url(self.key)}: S3 data files are written in order "
-                              f"(write at {offset}, expected {self._end})")
-        src = memoryview(buf).cast("B")
-        self._end += len(src)
-        while len(src):
-            n = min(len(src), len(self._buf) - self._fill)
-            # numpy copies straight, without the GIL; `bytearray[a:b] = memoryview` first copies
-            # the view into a temporary bytearray: fresh memory, a page fault per 4 KiB (26,000-
-            # 55,000 per 275 MB step, most of the upload's system time on the 2-core CPU machine).
-            np.copyto(np.frombuffer(self._buf, np.uint8, n, self._fill), np.frombuffer(src, np.uint8, n))
-            self._fill += n
-            src = src[n:]
-            if self._fill == len(self._buf):
-                part, self._fill = self._buf, 0
-                self._buf = self.tier.spare.take(min(2 * len(part), self.part_size))
-                self._submit(part, reuse=True)
-
-    def write_device(self, offset: int, buf: Any) -> None:
-        raise TieredError(f"tier {self.tier.name!r} (S3) writes from host memory only")
-
-    def _submit(self, part: bytes | bytearray, reuse: bool = False) -> None:
-        s3 = self.tier.client
-        if self._upload_id is None:
-            try:
-                self._upload_id = s3.create_multipart_upload(Bucket=self.tier.bucket, Key=self.key)["UploadId"]
-            except Exception as exc:  # noqa: BLE001
-                raise _client_error(exc, f"{self.tier.url(self.key)}: cannot start upload") from None
-        number = len(self._parts) + 1
-        self._slots.acquire()  # backpressure: at most max_concurrency parts in memory and in flight
-
-        def upload() -> dict[str, Any]:
-            try:
-                r = s3.upload_part(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id,
-                                   PartNumber=number, Body=part)
-                return {"PartNumber": number, "ETag": r["ETag"]}
-            finally:
-                if reuse:
-                    self.tier.spare.give(part)  # its upload is over (retries included)
-                self._slots.release()
-
-        self._parts.append(self.tier.pool.submit(upload))
-
-    def wait(self) -> None:
-        for f in self._parts:
-            f.result()
-
-    def close(self) -> int:
-        s3 = self.tier.client
-        try:
-            tail = memoryview(self._buf)[:self._fill]
-            if self._upload_id is None and not self._fill:
-                # No chunks (the rank's state has no tensor bytes): the index records data_bytes 0
-                # and readers never open the file, so no object is needed. (SeaweedFS also stalls
-                # the next request on a connection that carried an empty-body PUT.)
-                return 0
-            if self._upload_id is None:
-                s3.put_object(Bucket=self.tier.bucket, Key=self.key, Body=bytes(tail))
-            else:
-                if self._fill:
-                    self._submit(bytes(tail))
-                parts = [f.result() for f in self._parts]
-                s3.complete_multipart_upload(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id,
-                                             MultipartUpload={"Parts": parts})
-        except TieredError:
-            self.abort()
-            raise
-        except Exception as exc:  # noqa: BLE001
-            self.abort()
-            raise _client_error(exc, f"{self.tier.url(self.key)}: upload failed") from None
-        self.tier.spare.give(self._buf)
-        self._buf, self._fill = bytearray(), 0
-        return self._end
-
-    def abort(self) -> None:
-        for f in self._parts:
-            f.exception()
-        if self._upload_id is not None:
-            try:
-                self.tier.client.abort_multipart_upload(Bucket=self.tier.bucket, Key=self.key, UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001 - best effort; begin_step and discard abort leftovers too
-                pass
-            self._upload_id = None
-
-
-class S3DataReader:
-    """Ranged reads of one object. Opening it makes no request: a copy's first GET is its first
-    round trip. The object's `size` is asked for (a HEAD) only where a caller wants it (a restore
-    checks it against the index first) or to word an error; a missing object or a short one
-    fails on the read that meets it."""
-
-    io_mode = "s3-range"
-
-    def __init__(self, tier: "S3Tier", key: str):
-        self.tier, self.key = tier, key
-        self.path = tier.url(key)
-        self._size: int | None = None
-        self._head: tuple[int, memoryview, int, list[Future]] | None = None  # see prefetch
-
-    @property
-    def size(self) -> int:
-        if self._size is None:
-            try:
-                self._size = int(self.tier.client.head_object(Bucket=self.tier.bucket, Key=self.key)["ContentLength"])
-            except Exception as exc:  # noqa: BLE001
-                raise self._error(exc, "cannot read") from None
-        return self._size
-
-    def _error(self, exc: Exception, what: str) -> TieredError:
-        if _code(exc) in ("404", "NoSuchKey", "NotFound"):
-            return CheckpointNotFoundError(f"{self.path}: data file is missing")
-        return _client_error(exc, f"{self.path}: {what}")
-
-    def _truncated(self, offset: int, size: int) -> TieredError:
-        return TieredError(f"{self.path}: object is truncated: needs bytes {offset}..{offset + size}, has {self.size}")
-
-    def read_host(self, offset: int, size: int) -> memoryview:
-        """Bytes [offset, offset + size): one ranged GET, or for a large range (a window of chunks
-        being restored or migrated) pieces of `READ_PIECE` bytes fetched in parallel, up to the
-        tier's `max_concurrency` at once, into one buffer."""
-        out = memoryview(bytearray(size))
-        self.read_into(offset, out)
-        return out
-
-    def prefetch(self, offset: int, out: memoryview) -> bool:
-        """Start fetching bytes [offset, offset + len(out)) into `out` now; later reads of ranges
-        that start inside it wait for those GETs and copy from `out` instead of asking again.
-
-        A copy from S3 calls this with the first bytes of a data file as soon as the manifest has
-        named it, so that its first GETs do not wait for the rank's index to arrive and be parsed
-        (a small step's copy spent ~27 ms before its first data GET on the lent H100 machine). The
-        range goes out as parallel GETs, one per connection for a small one (at least 1 MiB each,
-        at most `READ_PIECE`). `out` is written until `close()`, which waits for them. Returns True:
-        the reader uses `out` (a tier whose reads start at once declines, returning False)."""
-        if self._head is not None:
-            raise TieredError(f"{self.path}: prefetch started twice")
-        size = len(out)
-        conns = max(1, self.tier.max_concurrency)
-        piece = min(READ_PIECE, max(_MIN_PREFETCH_PIECE, round_up(-(-size // conns), _MIN_PREFETCH_PIECE)))
-        self._head = (offset, out, piece, [self.tier.read_pool.submit(
-            self._get_range, offset + start, out[start:start + piece]) for start in range(0, size, piece)])
-        return True
-
-    def _from_head(self, offset: int, out: memoryview) -> int:
-        """Bytes of `out` (from its start) served from the prefetched range: 0 unless `offset`
-        lies inside it. Waits for the GETs that cover them; their failures are raised here."""
-        if self._head is None:
-            return 0
-        base, head, piece, pieces = self._head
-        if not base <= offset < base + len(head):
-            return 0
-        n = min(len(out), base + len(head) - offset)
-        lo, hi = offset - base, offset - base + n
-        for future in pieces[lo // piece:-(-hi // piece)]:
-            future.result()
-        # numpy copies without the GIL: the readers of several windows copy at once.
-        np.copyto(np.frombuffer(out, np.uint8, n), np.frombuffer(head[lo:hi], np.uint8))
-        return n
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        """As `read_host`, into the caller's buffer."""
-        size = len(out)
-        if self._size is not None and offset + size > self._size:
-            raise self._truncated(offset, size)
-        served = self._from_head(offset, out)
-        if served:
-            offset, out, size = offset + served, out[served:], size - served
-        if size < 2 * READ_PIECE or self.tier.max_concurrency < 2:
-            if size:
-                self._get_range(offset, out)
-            return
-        futures = [self.tier.read_pool.submit(self._get_range, offset + start, out[start:start + READ_PIECE])
-                   for start in range(0, size, READ_PIECE)]
-        for f in futures:
-            f.result()
-
-    def _get_range(self, offset: int, out: memoryview) -> None:
-        """Bytes [offset, offset + len(out)) into `out`, straight from the response (no copy)."""
-        size = len(out)
-        try:
-            body = self.tier.client.get_object(Bucket=self.tier.bucket, Key=self.key,
-                                               Range=f"bytes={offset}-{offset + size - 1}")["Body"]
-            done = 0
-            with body:
-                while done < size and (n := body.readinto(out[done:])):
-                    done += n
-        except Exception as exc:  # noqa: BLE001
-            if _code(exc) == "InvalidRange":  # the range starts past the object's end
-                raise self._truncated(offset, size) from None
-            raise self._error(exc, "ranged read failed") from None
-        if done != size:
-            raise self._truncated(offset, size)
-
-    def read_device_async(self, offset: int, size: int, out: Any) -> Any:
-        raise TieredError(f"tier {self.tier.name!r} (S3) reads into host memory only")
-
-    def read_device(self, offset: int, size: int, out: Any) -> None:
-        self.read_device_async(offset, size, out)
-
-    def close(self) -> None:
-        """Waits for a prefetch's GETs: the caller may reuse its buffer once this returns."""
-        if self._head is not None:
-            wait_futures(self._head[3])
-            self._head = None
-
-
-def part_size_for(size_hint: int | None, part_size: int, concurrency: int) -> int:
-    """The part size for an object of about `size_hint` bytes: small enough that it goes out as up
-    to `concurrency` parts in flight at once (a 34 MB step as seven 5 MiB parts, not as one PUT
-    after the whole file is read), never under S3's 5 MiB minimum nor over the tier's `part_size`.
-    Without a hint: `part_size`."""
-    if not size_hint or size_hint <= 0:
-        return part_size
-    want = -(-size_hint // max(1, concurrency))
-    want = -(-want // (1 << 20)) * (1 << 20)  # whole MiB
-    return max(_MIN_PART, min(part_size, want))
-
-
-def _code(exc: Exception) -> str:
-    """The S3 error code of an answer ('' where none came: connection errors, timeouts)."""
-    return str((getattr(exc, "response", None) or {}).get("Error", {}).get("Code", ""))
+FILES_META = "tiered-files"
+"""Metadata of a manifest object: the folder of the step's files (absent: directly in the step)."""
+_MISSING = ("404", "NoSuchKey", "NotFound")
 
 
 class S3Tier:
@@ -338,11 +52,11 @@ class S3Tier:
     def __init__(self, name: str, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
                  region: str | None = None, profile: str | None = None, part_size: int = 64 << 20,
                  max_concurrency: int = 8, max_attempts: int = 10, timeout: float = 60.0):
-        if part_size < _MIN_PART:
-            raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum part)")
+        if part_size < MIN_PART:
+            raise ValueError(f"part_size must be at least {MIN_PART} bytes (S3's minimum part)")
         self.name, self.bucket, self.prefix = name, bucket, prefix.strip("/")
         self.part_size, self.max_concurrency = part_size, max_concurrency
-        boto3 = _boto3()
+        boto3 = boto3_module()
         from botocore.config import Config
 
         session = boto3.session.Session(profile_name=profile, region_name=region)
@@ -357,6 +71,11 @@ class S3Tier:
         # Reads get a pool of their own: a restore's ranged GETs never queue behind uploads.
         self.read_pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"tiered-s3r-{name}")
         self.root = self.url("")
+        self._lock = threading.Lock()
+        self._writing: dict[int, str] = {}
+        """Steps this object writes alone -> the folder (writer id) of their files."""
+        self._folders: dict[int, str] = {}
+        """Committed steps -> the folder of their files ('' directly in the step), as read."""
 
     def __repr__(self) -> str:
         return f"S3Tier({self.name!r}, {self.root!r})"
@@ -364,20 +83,48 @@ class S3Tier:
     def _key(self, step: int, name: str = "") -> str:
         return "/".join(p for p in (self.prefix, step_dir_name(step), name) if p) + ("" if name else "/")
 
+    def _file_key(self, step: int, name: str, what: str) -> str:
+        """The key of file `name` of `step`: in this writer's folder while it writes the step,
+        else in the folder the committed manifest names."""
+        name = safe_name(name, self.describe(step, ""), what)
+        with self._lock:
+            folder = self._writing.get(step)
+        if folder is None:
+            folder = self._folder(step)
+        return self._key(step, f"{folder}/{name}" if folder else name)
+
+    def _folder(self, step: int) -> str:
+        with self._lock:
+            if step in self._folders:
+                return self._folders[step]
+        key = self._key(step, MANIFEST_NAME)
+        try:
+            meta = self.client.head_object(Bucket=self.bucket, Key=key).get("Metadata", {})
+        except Exception as exc:  # noqa: BLE001
+            if error_code(exc) in _MISSING:
+                return ""  # not committed (yet): a distributed step's files sit in the step itself
+            raise client_error(exc, f"{self.url(key)}: cannot read") from None
+        folder = meta.get(FILES_META, "")
+        if folder and parse_writer_id(folder) is None:
+            raise FormatError(f"{self.url(key)}: names {folder!r} as the folder of its files, not a writer id")
+        with self._lock:
+            self._folders[step] = folder
+        return folder
+
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}/{self.prefix}"
 
     def describe(self, step: int, name: str) -> str:
         return self.url(self._key(step, name))
 
-    def _list(self, prefix: str) -> list[str]:
-        keys: list[str] = []
+    def _list(self, prefix: str, details: bool = False) -> list[Any]:
+        found: list[Any] = []
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-                keys.extend(o["Key"] for o in page.get("Contents", ()))
+                found.extend(o if details else o["Key"] for o in page.get("Contents", ()))
         except Exception as exc:  # noqa: BLE001
-            raise _client_error(exc, f"s3://{self.bucket}/{prefix}: cannot list") from None
-        return keys
+            raise client_error(exc, f"s3://{self.bucket}/{prefix}: cannot list") from None
+        return found
 
     def steps(self) -> list[int]:
         base = f"{self.prefix}/" if self.prefix else ""
@@ -393,18 +140,24 @@ class S3Tier:
             self.client.head_object(Bucket=self.bucket, Key=self._key(step, MANIFEST_NAME))
             return True
         except Exception as exc:  # noqa: BLE001
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(exc) in _MISSING:
                 return False
-            raise _client_error(exc, f"{self.describe(step, MANIFEST_NAME)}: cannot check") from None
+            raise client_error(exc, f"{self.describe(step, MANIFEST_NAME)}: cannot check") from None
 
+    # --- writing ---------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
+        """Start writing `step` alone: refuse a committed step; the files go to a folder of this
+        writer's own (no other writer's objects are touched)."""
         if self.has_step(step):
             raise committed_error(self.name, step, self.describe(step, ''))
-        self._remove(step)
+        with self._lock:
+            old, self._writing[step] = self._writing.get(step), new_writer_id()
+        if old is not None:
+            abandon(old)
+            self._remove_prefix(self._key(step, old) + "/", f"step {step}'s abandoned attempt")
 
-    def _remove(self, step: int) -> None:
-        """Delete a step's objects and abort its unfinished multipart uploads."""
-        prefix = self._key(step)
+    def _remove_prefix(self, prefix: str, what: str) -> int:
+        """Delete the objects under `prefix` and abort its unfinished multipart uploads."""
         keys = self._list(prefix)
         try:
             for i in range(0, len(keys), 1000):
@@ -412,9 +165,8 @@ class S3Tier:
                     "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
             self._abort_uploads(prefix)
         except Exception as exc:  # noqa: BLE001
-            raise _client_error(exc, f"{self.describe(step, '')}: cannot clear uncommitted objects") from None
-        if keys:
-            log.info("tiered: removed %d uncommitted objects of step %d in %s", len(keys), step, self.root)
+            raise client_error(exc, f"s3://{self.bucket}/{prefix}: cannot remove {what}") from None
+        return len(keys)
 
     def _abort_uploads(self, prefix: str, only_key: str | None = None) -> int:
         """Abort the unfinished multipart uploads under `prefix` (of `only_key` alone, if given);
@@ -422,14 +174,19 @@ class S3Tier:
         n = 0
         for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
             for up in page.get("Uploads", ()):
-                if only_key is None or up["Key"] == only_key:
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    n += 1
+                if only_key is not None and up["Key"] != only_key:
+                    continue
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                n += 1
         return n
 
     def discard(self, step: int) -> None:
-        if not self.has_step(step):
-            self._remove(step)
+        """Remove this writer's uncommitted objects of `step` (never another writer's)."""
+        with self._lock:
+            folder = self._writing.pop(step, None)
+        if folder is not None:
+            abandon(folder)  # (what a failed removal leaves, `reclaim_debris` takes later)
+            self._remove_prefix(self._key(step, folder) + "/", f"step {step}'s uncommitted objects")
 
     def begin_rank(self, step: int, rank: int) -> None:
         """Start one rank's objects of a step other ranks upload beside it: refuse a committed
@@ -449,17 +206,17 @@ class S3Tier:
             for key in keys:
                 self._abort_uploads(key, only_key=key)
         except Exception as exc:  # noqa: BLE001
-            raise _client_error(exc, f"{self.describe(step, '')}: cannot clear rank {rank}'s uncommitted objects") from None
+            raise client_error(exc, f"{self.describe(step, '')}: cannot clear rank {rank}'s uncommitted objects") from None
 
     def file_size(self, step: int, name: str) -> int | None:
         """Bytes of an object of the step, or None where it is missing."""
-        key = self._key(step, safe_name(name, self.root, "file name"))
+        key = self._file_key(step, name, "file name")
         try:
             return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
         except Exception as exc:  # noqa: BLE001
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(exc) in _MISSING:
                 return None
-            raise _client_error(exc, f"{self.url(key)}: cannot check") from None
+            raise client_error(exc, f"{self.url(key)}: cannot check") from None
 
     def delete(self, step: int) -> None:
         """Delete a committed step: the manifest object first (the step is gone for readers at
@@ -468,8 +225,11 @@ class S3Tier:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=key)
         except Exception as exc:  # noqa: BLE001
-            raise _client_error(exc, f"{self.url(key)}: cannot delete") from None
-        self._remove(step)
+            raise client_error(exc, f"{self.url(key)}: cannot delete") from None
+        with self._lock:
+            self._folders.pop(step, None)
+        n = self._remove_prefix(self._key(step), f"step {step}'s objects")
+        log.debug("tiered: removed %d objects of step %d in %s", n, step, self.root)
 
     def probe_bandwidth(self, nbytes: int) -> float:
         """Upload `nbytes` to a scratch object as a data file is uploaded (parallel multipart)
@@ -487,59 +247,164 @@ class S3Tier:
             writer.abort()
             try:
                 self.client.delete_object(Bucket=self.bucket, Key=key)
-            except Exception:  # noqa: BLE001 - a stray probe object is harmless
+            except Exception:  # noqa: BLE001,S110 - a stray probe object is harmless
                 pass
 
     def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> S3DataWriter:
         if device:
             raise TieredError(f"tier {self.name!r} (S3) writes from host memory only")
-        return S3DataWriter(self, self._key(step, safe_name(name, self.root, "data file")),
+        return S3DataWriter(self, self._file_key(step, name, "data file"),
                             part_size_for(size_hint, self.part_size, self.max_concurrency))
 
     def write_file(self, step: int, name: str, data: bytes) -> None:
-        key = self._key(step, safe_name(name, self.root, "file name"))
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
-        except Exception as exc:  # noqa: BLE001
-            raise _client_error(exc, f"{self.url(key)}: upload failed") from None
+        self._put(self._file_key(step, name, "file name"), data)
 
-    def commit(self, step: int, manifest: bytes) -> None:
-        """The manifest is the last object of a step: its presence is the commit. Then any
-        multipart upload still open under the step is abandoned (every file of the step is
-        complete): one whose creation the server carried out but whose answer was lost, so that
-        the client retried with a new one. It is aborted, so that it costs no storage."""
-        self.write_file(step, MANIFEST_NAME, manifest)
+    def _put(self, key: str, data: bytes, **extra: Any) -> None:
         try:
-            n = self._abort_uploads(self._key(step))
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+        except Exception as exc:  # noqa: BLE001
+            raise client_error(exc, f"{self.url(key)}: upload failed") from None
+
+    def commit(self, step: int, manifest: bytes, replace: bool = False) -> None:
+        """Put the manifest, the step's last object: its presence is the commit. Conditional
+        (If-None-Match: *): never over another writer's commit, except with `replace` (a copy built
+        aside, begun with `begin_step`, standing in for a damaged one), whose old objects then go.
+        Then any multipart upload still open under this writer's files is aborted (one whose
+        creation the server carried out but whose answer was lost, so that the client retried)."""
+        key = self._key(step, MANIFEST_NAME)
+        with self._lock:
+            folder = self._writing.get(step)
+        if replace and folder is None:
+            raise TieredError(f"step {step}: a replacing commit needs the copy built aside (begin_step)")
+        meta = {"Metadata": {FILES_META: folder}} if folder else {}
+        try:
+            if replace:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=manifest, **meta)
+            else:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=manifest, IfNoneMatch="*", **meta)
+        except Exception as exc:  # noqa: BLE001
+            code = error_code(exc)
+            if code not in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise client_error(exc, f"{self.url(key)}: upload failed") from None
+            if folder is None and self.read_manifest(step) == manifest:
+                pass  # another node committed the same distributed step: done
+            else:
+                raise TieredError(f"step {step} was committed in tier {self.name!r} ({self.describe(step, '')}) by "
+                                  "another writer while this one wrote it: steps are immutable, this copy is "
+                                  "discarded (save under a new step number, or give each job its own prefix)") from None
+        with self._lock:
+            self._writing.pop(step, None)
+            self._folders[step] = folder or ""
+        if replace:
+            self._remove_others(step, folder)
+        try:
+            n = self._abort_uploads(self._key(step, folder) + "/" if folder else self._key(step))
         except Exception as exc:  # noqa: BLE001 - the step is committed; deleting it aborts them too
             log.warning("tiered: %s: cannot abort abandoned multipart uploads: %s", self.describe(step, ""),
-                        _client_error(exc, "list or abort"))
+                        client_error(exc, "list or abort"))
             return
         if n:
             log.info("tiered: aborted %d abandoned multipart upload(s) of step %d in %s", n, step, self.root)
 
-    def _get(self, key: str, max_bytes: int) -> bytes:
+    def _remove_others(self, step: int, folder: str) -> None:
+        """After a replacing commit: every object of the step outside `folder`, but the manifest."""
+        keep = (self._key(step, MANIFEST_NAME), self._key(step, folder) + "/")
+        stale = [k for k in self._list(self._key(step)) if k != keep[0] and not k.startswith(keep[1])]
+        try:
+            for i in range(0, len(stale), 1000):
+                self.client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": [{"Key": k} for k in stale[i:i + 1000]], "Quiet": True})
+        except Exception as exc:  # noqa: BLE001 - the new copy is committed; debris is reclaimed later
+            log.warning("tiered: step %d: the replaced copy's objects stay for `tiered gc`: %s", step,
+                        client_error(exc, "delete"))
+
+    # --- debris ----------------------------------------------------------------------------
+    def reclaim_debris(self, dry_run: bool = False) -> list[str]:
+        """Remove the objects of writers that stopped before committing: per step, every folder
+        other than the committed one (all of them where nothing is committed), and the objects
+        of an uncommitted distributed step, once their writer is not live (`writer_live`: this
+        host's process has exited; another host's objects are older than FOREIGN_TTL_S). Returns
+        one line per removal; with `dry_run` removes nothing."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        groups: dict[tuple[int, str], list[Any]] = {}
+        for obj in self._list(base, details=True):
+            parts = obj["Key"][len(base):].split("/")
+            step = parse_step_dir(parts[0]) if len(parts) >= 2 else None
+            if step is None or (len(parts) == 2 and parts[1] == MANIFEST_NAME):
+                continue
+            groups.setdefault((step, parts[1] if len(parts) == 3 else ""), []).append(obj)
+        done = []
+        for (step, folder), objs in sorted(groups.items()):
+            committed = self.has_step(step)
+            if committed and self._folder(step) == folder:
+                continue
+            newest = max(o["LastModified"].timestamp() for o in objs)
+            if writer_live(folder, newest):
+                continue
+            what = f"{len(objs)} objects of step {step}" + (f" by writer {folder}" if folder else "")
+            done.append(f"{self.url(self._key(step, folder))}: {what}, {'beside the commit' if committed else 'uncommitted'}")
+            if not dry_run:
+                try:
+                    for i in range(0, len(objs), 1000):
+                        self.client.delete_objects(Bucket=self.bucket, Delete={
+                            "Objects": [{"Key": o["Key"]} for o in objs[i:i + 1000]], "Quiet": True})
+                except Exception as exc:  # noqa: BLE001
+                    raise client_error(exc, f"{self.root}: cannot remove debris") from None
+        try:  # multipart uploads of writers that stopped (a live writer aborts its own at its commit)
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base):
+                for up in page.get("Uploads", ()):
+                    parts = up["Key"][len(base):].split("/")
+                    folder = parts[1] if len(parts) == 3 else ""
+                    if parse_step_dir(parts[0]) is None or writer_live(folder, up["Initiated"].timestamp()):
+                        continue
+                    done.append(f"{self.url(up['Key'])}: an unfinished upload" + (f" by writer {folder}" if folder else ""))
+                    if not dry_run:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+        except Exception as exc:  # noqa: BLE001
+            raise client_error(exc, f"{self.root}: cannot abort abandoned uploads") from None
+        for line in done:
+            log.info("tiered: %s %s", "would remove" if dry_run else "removed", line)
+        return done
+
+    # --- reading ---------------------------------------------------------------------------
+    def _get(self, key: str, max_bytes: int, meta: dict[str, str] | None = None) -> bytes:
+        """The object's bytes, at most `max_bytes`; its metadata into `meta`, where given."""
         try:
             obj = self.client.get_object(Bucket=self.bucket, Key=key)
         except Exception as exc:  # noqa: BLE001
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(exc) in _MISSING:
                 raise CheckpointNotFoundError(f"{self.url(key)}: object is missing") from None
-            raise _client_error(exc, f"{self.url(key)}: cannot read") from None
-        if int(obj["ContentLength"]) > max_bytes:
-            obj["Body"].close()
+            raise client_error(exc, f"{self.url(key)}: cannot read") from None
+        with obj["Body"] as body:
+            if int(obj["ContentLength"]) > max_bytes:
+                raise FormatError(f"{self.url(key)}: larger than the {max_bytes} bytes allowed")
+            data = body.read(max_bytes + 1)
+        if len(data) > max_bytes:
             raise FormatError(f"{self.url(key)}: larger than the {max_bytes} bytes allowed")
-        return obj["Body"].read()
+        if meta is not None:
+            meta.update(obj.get("Metadata", {}))
+        return data
 
     def read_manifest(self, step: int) -> bytes:
+        """The manifest; where its files are is noted on the way (the same request: a restore's
+        reads of the files that follow ask nothing more)."""
+        meta: dict[str, str] = {}
         try:
-            return self._get(self._key(step, MANIFEST_NAME), MAX_MANIFEST_BYTES)
+            raw = self._get(self._key(step, MANIFEST_NAME), MAX_MANIFEST_BYTES, meta)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"step {step} is not committed in tier {self.name!r} ({self.root})") from None
+        folder = meta.get(FILES_META, "")
+        if folder and parse_writer_id(folder) is None:
+            raise FormatError(f"{self.describe(step, MANIFEST_NAME)}: names {folder!r} as the folder of its files, "
+                              "not a writer id")
+        with self._lock:
+            self._folders[step] = folder
+        return raw
 
     def read_file(self, step: int, name: str, max_bytes: int) -> bytes:
-        return self._get(self._key(step, safe_name(name, self.describe(step, ""), "file name")), max_bytes)
+        return self._get(self._file_key(step, name, "file name"), max_bytes)
 
     def open_data_reader(self, step: int, name: str, device: bool) -> S3DataReader:
         if device:
             raise TieredError(f"tier {self.name!r} (S3) reads into host memory only")
-        return S3DataReader(self, self._key(step, safe_name(name, self.describe(step, ""), "data file")))
+        return S3DataReader(self, self._file_key(step, name, "data file"))
