@@ -52,7 +52,7 @@ def test_cold_start_from_s3_alone(tmp_path, s3_server, s3_bucket, capsys):
         assert_same(states[20], engine.load(tier="local"))
     # Already there: verified in place, nothing copied.
     assert restore_main(["--config", str(config), "-q"]) == 0
-    assert "already on tier 'local'" in capsys.readouterr().out
+    assert "step 20 is on tier 'local'" in capsys.readouterr().out
     assert restore_main(["--config", str(config), "--step", "10", "--verify-only", "-q"]) == 0
     assert "ok       tier 's3' step 10" in capsys.readouterr().out
 
@@ -78,7 +78,8 @@ def test_restore_replaces_a_damaged_local_copy(tmp_path, capsys):
     assert main(["verify", "--config", str(config), "--tier", "local", "-q"]) == 1
     assert "DAMAGED  tier 'local' step 3" in capsys.readouterr().out
     assert restore_main(["--config", str(config), "-q"]) == 0
-    assert "damaged: replacing it from tier 'shared'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step 3 on tier 'local' is damaged: building a whole copy aside from tier 'shared'" in err, err
     assert main(["verify", "--config", str(config), "--step", "all", "-q"]) == 0
     with tiered.Engine.from_config(config) as engine:
         assert_same(states[3], engine.load(3, tier="local"))
@@ -185,9 +186,10 @@ def test_console_scripts_are_installed():
     assert scripts == {"tiered": "tiered.cli:main", "tiered-restore": "tiered.cli:restore_main"}
 
 
-def test_restore_never_deletes_a_damaged_copy_when_no_other_copy_is_whole(tmp_path, capsys):
-    """Local damaged in one chunk, shared in another: the step still loads chunk by chunk, and
-    tiered-restore leaves both copies as they are instead of destroying the local one."""
+def test_restore_repairs_copies_damaged_in_different_places_into_one_whole_copy(tmp_path, capsys, caplog):
+    """Local damaged in one chunk, shared in another: no copy is whole, yet together they hold every
+    chunk. tiered-restore builds a whole local copy aside from both and only then replaces the
+    damaged one; the shared copy is left as it was."""
     config = write_config(tmp_path)
     path = tmp_path / "cluster.yaml"
     cfg = yaml.safe_load(path.read_text())
@@ -207,10 +209,13 @@ def test_restore_never_deletes_a_damaged_copy_when_no_other_copy_is_whole(tmp_pa
     with tiered.Engine.from_config(config) as engine:
         assert_same(states[3], engine.load(3))  # repaired chunk by chunk across the tiers
     capsys.readouterr()
-    assert restore_main(["--config", str(config), "-q"]) == 1
-    err = capsys.readouterr().err
-    assert "no intact copy of it: nothing was deleted" in err
-    assert (tmp_path / "local" / "step_000000000003" / "MANIFEST.json").exists()
+    assert restore_main(["--config", str(config)]) == 0
+    out, err = capsys.readouterr()
+    assert "repaired step 3 from tier 'shared' to tier 'local'" in out, out + err
+    assert "chunk 1 from tier 'local' instead" in caplog.text, caplog.text  # what shared lacks, from the old copy
+    assert main(["verify", "--config", str(config), "--tier", "local", "-q"]) == 0  # whole on its own
+    assert main(["verify", "--config", str(config), "--tier", "shared", "-q"]) == 1  # untouched
     with tiered.Engine.from_config(config) as engine:
         assert engine.steps("local") == [3] and engine.steps("shared") == [3]
-        assert_same(states[3], engine.load(3))
+        assert_same(states[3], engine.load(3, tier="local"))
+    assert not list((tmp_path / "local").glob(".step_*"))  # the old copy is gone, nothing left aside

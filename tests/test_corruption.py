@@ -189,10 +189,13 @@ def test_damage_on_s3_is_detected_reported_and_restored_around(tmp_path, s3_serv
     assert "'s3'" in caplog.text or "s3://" in caplog.text, caplog.text
 
     s3 = s3_client(s3_server)
-    key = f"run/{STEP_DIR}/{name}"
-    index = s3.get_object(Bucket=s3_bucket, Key=f"run/{STEP_DIR}/rank_00000.index.json")["Body"].read()
+    manifest = s3.head_object(Bucket=s3_bucket, Key=f"run/{STEP_DIR}/MANIFEST.json")
+    folder = manifest["Metadata"]["tiered-files"] + "/"  # where the writer that committed it put the files
+    key = f"run/{STEP_DIR}/{'' if name == 'MANIFEST.json' else folder}{name}"
+    index = s3.get_object(Bucket=s3_bucket, Key=f"run/{STEP_DIR}/{folder}rank_00000.index.json")["Body"].read()
     raw = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
-    s3.put_object(Bucket=s3_bucket, Key=key, Body=damaged(raw, name, how, index))
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=damaged(raw, name, how, index),
+                  Metadata=manifest["Metadata"] if name == "MANIFEST.json" else {})
     capsys.readouterr()
     assert cli(["verify", "--config", str(path), "--tier", "s3", "--step", "all", "-q"]) == 1
     report = capsys.readouterr().out

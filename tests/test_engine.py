@@ -255,6 +255,7 @@ def test_background_failure_is_raised_on_next_save_then_recovers(tier_config, mo
             engine.save(3, {"w": torch.randn(1000)})  # nobody took step 2's failure from its handle
         assert engine.steps() == []
         assert not engine.tier.step_dir(1).exists(), "a failed save's files are removed"
+        assert not list(engine.tier.root.glob(".step_*")), "a failed save's files are removed"
         monkeypatch.setattr(local.LocalDataWriter, "write_host", real)
         engine.save(3, {"w": torch.ones(1000)}).wait()
         engine.wait()

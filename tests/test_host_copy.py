@@ -128,7 +128,9 @@ def test_a_segment_is_written_where_its_chunks_are_placed(tmp_path):
     try:
         stage(layout, tensors, host, None, lambda seg: write_segment(seg, writer, place, pool, {}), lambda: None, {})
         assert writer.close() == end[0] == layout.nbytes
-        data = np.fromfile(tier.step_dir(1) / "rank_00000.data", dtype=np.uint8)
+        reader = tier.open_data_reader(1, "rank_00000.data", device=False)  # (uncommitted: the writer's own copy)
+        data = np.frombuffer(reader.read_host(0, reader.size), dtype=np.uint8)
+        reader.close()
         for ref, off, size, crc in placed:
             t = tensors[ref.plan.index].contiguous().reshape(-1).view(torch.uint8).numpy()
             assert data[off:off + size].tobytes() == t[ref.j * CS:ref.j * CS + size].tobytes()

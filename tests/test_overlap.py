@@ -368,6 +368,7 @@ def test_a_deferred_save_of_a_state_that_cannot_be_stored_fails_at_the_next_call
                            match=r"save\(step=2\).*StateDictError: bad: cannot checkpoint an object of type"):
             engine.wait()
         assert engine.steps() == [1] and not (engine.tier.step_dir(2)).exists()
+        assert not list(engine.tier.root.glob(".step_*"))  # nor anything of it aside
         engine.save(3, _state(model, opt)).wait()
         assert engine.steps() == [1, 3]
         with pytest.raises(tiered.TieredError, match="already committed|committed"):

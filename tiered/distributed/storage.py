@@ -41,7 +41,8 @@ from tiered.errors import CheckpointNotFoundError, FormatError, TieredError
 from tiered.format import tree
 from tiered.format.manifest import (Manifest, RankEntry, RankIndex, TensorRecord, read_manifest, read_pinned,
                                     read_rank_index)
-from tiered.restore.pipeline import STAGED_BYTES, ChunkRepair
+from tiered.restore.pipeline import STAGED_BYTES
+from tiered.stage.repair import ChunkRepair
 
 log = logging.getLogger("tiered")
 

@@ -22,10 +22,11 @@ import torch
 
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.errors import CodecUnavailableError
+from tiered.errors import CodecUnavailableError, CorruptionError
 from tiered.format.checksum import wsum64
 from tiered.format.manifest import ALIGNMENT, DTYPES, ChunkTable, CodecSpec, RankIndex, TensorRecord
 from tiered.stage.cpu import WINDOW_BYTES, WindowBuffers, chunk_windows, decoded, read_chunk, verified
+from tiered.stage.repair import ChunkRepair
 from tiered.units import round_up
 
 if TYPE_CHECKING:
@@ -86,8 +87,11 @@ class CopiedRank(NamedTuple):
 
 
 def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, progress,
-              buffers: WindowBuffers | None = None, prefetched: Prefetched | None = None) -> CopiedRank:
+              buffers: WindowBuffers | None = None, prefetched: Prefetched | None = None,
+              repair: ChunkRepair | None = None) -> CopiedRank:
     """`prefetched`: the caller's reader of this rank's data file (it closes it); None: one of its own.
+    `repair`: where given, a chunk failing its checksum is taken from another tier's copy of the
+    step (`ChunkRepair.stored`) instead of failing the copy (chunks a GPU recompresses excepted).
 
     The new index and its JSON are made once every chunk is handed to the writes, while the last
     of them land (a plain copy of 2,000 tensors on the 2-core CPU machine spent 16 ms on them
@@ -123,7 +127,7 @@ def copy_rank(step, src, dst, index: RankIndex, codec, settings, pool, gpu, prog
                 k = i
                 while k < len(ordered) and not _needs_gpu(ordered[k], specs[k]):
                     k += 1
-                pieces = _cpu_chunks(ordered[i:k], specs[i:k], reader, settings, pool, progress, buffers)
+                pieces = _cpu_chunks(ordered[i:k], specs[i:k], reader, settings, pool, progress, buffers, repair)
             for entries, data, release in pieces:  # data: the stored bytes of `entries`, end to end
                 start = end
                 for rec, stored, size, crc in entries:
@@ -206,7 +210,7 @@ def gpu_decoded_chunks(step, src, index: RankIndex, recs: list[TensorRecord], sp
 
 
 def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, settings: ZstdSettings,
-                pool: ThreadPoolExecutor, progress: Any, buffers: WindowBuffers):
+                pool: ThreadPoolExecutor, progress: Any, buffers: WindowBuffers, repair: ChunkRepair | None = None):
     """Yield ([(tensor record, source chunk record, stored size, checksum)], their bytes: the padded
     extents end to end, or one chunk's stored bytes unpadded; what to call once those are written,
     or None: the bytes may be reused once `_Batches.add` returns) for every chunk of `recs`, in order:
@@ -214,27 +218,42 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
     (`tiered.stage.cpu.chunk_windows`); each window's chunks verified and, where the codec changes,
     decoded and re-encoded on the pool, in runs of chunks (`RECOMPRESS_GROUP_BYTES`). A window
     whose chunks are all kept goes out as the bytes read, padding zeroed in place (no copy per
-    chunk, no gathering copy); one that is recompressed, a chunk at a time."""
+    chunk, no gathering copy); one that is recompressed, a chunk at a time. With `repair`, a chunk
+    failing its checksum is taken from another tier (its window then goes a chunk at a time)."""
     spec_of = {rec.index: spec for rec, spec in zip(recs, specs)}
 
-    def keep(ref: tuple[TensorRecord, int], data: memoryview, base: int) -> None:
+    def check(ref: tuple[TensorRecord, int], data: memoryview, base: int) -> memoryview | str:
+        """The chunk's verified bytes; with `repair`, why it failed instead (a str)."""
+        try:
+            return verified(*ref, data, base, reader.path)
+        except CorruptionError as exc:
+            if repair is None:
+                raise
+            return str(exc)
+
+    def keep(ref: tuple[TensorRecord, int], data: memoryview, base: int) -> tuple[TensorRecord, int, str] | None:
         rec, j = ref
         c = rec.chunks[j]
-        verified(rec, j, data, base, reader.path)
+        got = check(ref, data, base)
+        if isinstance(got, str):
+            return rec, j, got
         # The padding is not under the checksum: what goes down a tier is zeros, whatever was read.
         data[c.offset - base + c.size:c.offset - base + c.extent] = _ZEROS[:c.extent - c.size]
+        return None
 
-    def one(ref: tuple[TensorRecord, int], stored: memoryview):
+    def one(ref: tuple[TensorRecord, int], stored: memoryview | str):
         rec, j = ref
+        if isinstance(stored, str):  # failed its checksum: another tier's copy of the chunk
+            out = repair.stored(rec, j, spec_of[rec.index], stored)
+            return out, len(out), None
         if spec_of[rec.index] == rec.codec:
             return stored, len(stored), rec.chunks[j].checksum  # copied by _Batches.add before `data` is reused
         raw = decoded(get_codec(rec.codec, settings), rec, j, stored, reader.path)  # (none: `stored`, no copy)
         out = get_codec(spec_of[rec.index], settings).encode_chunk(raw)
         return out, len(out), None  # (its checksum: on the copying thread, `_results`, while the pool encodes on)
 
-    def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> None:
-        for ref in group:
-            keep(ref, data, base)
+    def keep_all(group: list[tuple[TensorRecord, int]], data: memoryview, base: int) -> list[tuple[TensorRecord, int, str]]:
+        return [bad for ref in group if (bad := keep(ref, data, base)) is not None]
 
     def recode(run: list[tuple[tuple[TensorRecord, int], memoryview]]) -> list[tuple[Any, int, int | None]]:
         return [one(ref, stored) for ref, stored in run]
@@ -254,24 +273,40 @@ def _cpu_chunks(recs: list[TensorRecord], specs: list[CodecSpec], reader: Any, s
                 behind = None
             groups = _groups(win, VERIFY_GROUP_BYTES)
             if len(groups) == 1:
-                keep_all(win, data, base)
+                bad = keep_all(win, data, base)
             else:
-                list(pool.map(lambda group: keep_all(group, data, base), groups))
-            yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
-                   lambda data=data: buffers.give(data))  # once written
+                bad = [b for found in pool.map(lambda group: keep_all(group, data, base), groups) for b in found]
+            if bad:
+                yield from _repaired(win, data, base, {(rec.index, j): why for rec, j, why in bad}, spec_of, repair)
+                buffers.give(data)
+            else:
+                yield ([(rec, rec.chunks[j], rec.chunks[j].size, rec.chunks[j].checksum) for rec, j in win], data,
+                       lambda data=data: buffers.give(data))  # once written
             _report(progress, win)
         else:
             # Verified here, while the pool encodes the window before: this thread would mostly
             # wait for the pool, which then only decodes and encodes (none -> zstd of 2,000
             # tensors on the 2-core CPU machine: the pool's one thread spent 17% of its time
             # verifying). Handed over in runs of RECOMPRESS_GROUP_BYTES, one pool task each.
-            futures = [pool.submit(recode, [(ref, verified(*ref, data, base, reader.path)) for ref in group])
+            futures = [pool.submit(recode, [(ref, check(ref, data, base)) for ref in group])
                        for group in _groups(win, RECOMPRESS_GROUP_BYTES)]
             if behind is not None:
                 yield from results(*behind)
             behind = (win, data, futures)
     if behind is not None:
         yield from results(*behind)
+
+
+def _repaired(win: list[tuple[TensorRecord, int]], data: memoryview, base: int, bad: dict[tuple[int, int], str],
+              spec_of: dict[int, CodecSpec], repair: ChunkRepair):
+    """A window of kept chunks, some of which failed their checksum (`bad`: why, by (tensor, chunk)),
+    a chunk at a time: the good ones copied out of the window, the bad ones from another tier."""
+    for rec, j in win:
+        c = rec.chunks[j]
+        why = bad.get((rec.index, j))
+        stored = repair.stored(rec, j, spec_of[rec.index], why) if why is not None else \
+            bytes(data[c.offset - base:c.offset - base + c.size])
+        yield [(rec, c, len(stored), c.checksum if why is None else wsum64(stored))], stored, None
 
 
 def _pool_results(win: list[tuple[TensorRecord, int]], futures: list[Future], progress: Any,

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tiered import threads
 from tiered.codecs import get_codec_class
@@ -41,6 +41,7 @@ from tiered.observe.probe import SAMPLE_CHUNKS, Sample, describe_samples, measur
 from tiered.observe.records import RecordLog, migrate_record, records_root
 from tiered.policy import choose_codec
 from tiered.stage.cpu import WindowBuffers, read_chunk
+from tiered.stage.repair import ChunkRepair
 from tiered.tiers.leases import hold
 from tiered.tiers.retention import apply_retention
 from tiered.units import format_rate, format_size
@@ -54,9 +55,16 @@ log = logging.getLogger("tiered")
 
 def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: ZstdSettings = ZstdSettings(),
                  pool: ThreadPoolExecutor | None = None, gpu: "GpuRecoder | None" = None,
-                 progress: Callable[[int], None] | None = None, buffers: WindowBuffers | None = None) -> Manifest | None:
+                 progress: Callable[[int], None] | None = None, buffers: WindowBuffers | None = None,
+                 repair_from: Sequence[Any] = (), replace: bool = False) -> Manifest | None:
     """Copy committed `step` from tier `src` to tier `dst`, storing chunks with `codec` there
-    (None: every tensor keeps its codec; the chunks are copied as they are).
+    (None: every tensor keeps its codec; the chunks are copied as they are). The copy is built
+    aside and committed whole (`dst` never shows part of it).
+
+    `repair_from`: other tiers holding the step; a chunk of `src` failing its checksum is taken
+    from the first of them that holds it intact (`tiered.stage.repair.ChunkRepair`), instead of
+    failing the copy. `replace`: `dst` holds the step already (damaged): the new copy takes its
+    place once committed, and the old one goes then, not before.
 
     Returns the new manifest, or None when `dst` already has the step.
     `gpu` (a GpuRecoder) decodes codecs without a CPU decoder (ans) and encodes codecs without a
@@ -66,18 +74,21 @@ def migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: 
     `buffers`: the read windows' memory, kept from one step to the next by a caller that migrates
     many (fresh memory costs a page fault per 4 KiB); None: this step's own.
     """
-    if dst.has_step(step):
+    if dst.has_step(step) and not replace:
         return None
-    with hold([src], step):  # retention leaves the step on `src` while it is copied
+    with hold([src, *repair_from], step):  # retention leaves the step where it is read while it is copied
         return _migrate_step(step, src, dst, codec=codec, settings=settings, pool=pool, gpu=gpu, progress=progress,
-                             buffers=buffers)
+                             buffers=buffers, repair_from=repair_from, replace=replace)
 
 
 def _migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings: ZstdSettings,
                   pool: ThreadPoolExecutor | None, gpu: "GpuRecoder | None", progress: Callable[[int], None] | None,
-                  buffers: WindowBuffers | None) -> Manifest | None:
+                  buffers: WindowBuffers | None, repair_from: Sequence[Any], replace: bool) -> Manifest | None:
     t0 = time.perf_counter()
     manifest = read_manifest(src, step)
+    if manifest.dcp is not None and replace:
+        raise TieredError(f"step {step} was saved through DCP: its copy on tier {dst.name!r} is not replaced in "
+                          "place (Engine.restore and DCP's load read it chunk by chunk from every tier)")
     if manifest.dcp is not None:
         _, indexes = present_ranks(src, step)  # this node's ranks
         return _migrate_ranks(step, src, dst, manifest, indexes, codec=codec, settings=settings, pool=pool, gpu=gpu,
@@ -88,7 +99,7 @@ def _migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings:
     # The target's start (on S3 a HEAD and two listings: round trips) runs on the pool, idle until
     # the copy, and a remote source starts fetching the first rank's data, while the indexes are
     # read and validated; a step saved by one process has every rank's files here.
-    begun = pool.submit(dst.begin_step, step)
+    begun = pool.submit(dst.begin_step, step, replacing=replace)
     first = None
     try:
         if manifest.ranks:
@@ -97,8 +108,14 @@ def _migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings:
         begun.result()
         ranks, stored = [], 0
         for i, (entry, index) in enumerate(zip(manifest.ranks, indexes)):
-            new_index, raw_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers,
-                                             first if i == 0 else None)
+            repair = ChunkRepair(step, entry.rank, src.name, repair_from, settings, index.chunk_size) \
+                if repair_from else None
+            try:
+                new_index, raw_index = copy_rank(step, src, dst, index, codec, settings, pool, gpu, progress, buffers,
+                                                 first if i == 0 else None, repair)
+            finally:
+                if repair is not None:
+                    repair.close()
             dst.write_file(step, entry.index_file, raw_index)
             stored += sum(t.stored_bytes for t in new_index.tensors)
             ranks.append(RankEntry(entry.rank, entry.index_file, len(raw_index), checksum.wsum64(raw_index),
@@ -106,7 +123,7 @@ def _migrate_step(step: int, src: Any, dst: Any, *, codec: str | None, settings:
         new_manifest = Manifest(step=step, world_size=manifest.world_size, ranks=tuple(ranks),
                                 raw_bytes=manifest.raw_bytes, stored_bytes=stored, created=manifest.created,
                                 writer=manifest.writer)
-        dst.commit(step, new_manifest.to_json())
+        dst.commit(step, new_manifest.to_json(), replace=replace)
     except BaseException:
         wait_futures([begun])  # then nothing of this attempt is left running on `dst`
         dst.discard(step)

@@ -8,8 +8,8 @@
          the GPU (tiered.gpu.device); CPU codecs read in windows, verified and decoded on the codec pool
          (tiered.stage.cpu: chunk_windows -> verified -> decode_into, the same chunk reads the migrator
          and `verify_step` use)
-      -> a chunk failing its checksum, or a missing data file, is served by `ChunkRepair` from the
-         next slower tier holding the step
+      -> a chunk failing its checksum, or a missing data file, is served by `ChunkRepair`
+         (tiered.stage.repair) from the next slower tier holding the step
       -> the state rebuilt from the index's skeleton (tiered.format.tree)
 
 `Engine.restore` / `Engine.load` call `Restorer`; DCP's StorageReader (tiered.distributed.storage)
@@ -26,7 +26,6 @@ and as a summary at the end.
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -36,101 +35,22 @@ import torch
 from tiered import threads
 from tiered.codecs import get_codec, get_codec_class
 from tiered.config import ZstdSettings
-from tiered.errors import (CheckpointNotFoundError, CodecUnavailableError, CorruptionError, FormatError, StateDictError,
+from tiered.errors import (CheckpointNotFoundError, CodecUnavailableError, FormatError, StateDictError,
                            TieredError)
 from tiered.format import tree
-from tiered.format.manifest import (Manifest, RankIndex, TensorRecord, dtype_name, index_file_name, read_manifest,
-                                    read_rank_index, read_step)
+from tiered.format.manifest import (Manifest, RankIndex, TensorRecord, dtype_name, index_file_name, read_step)
 from tiered.gpu.runtime import Workers
 from tiered.stage import cpu
+from tiered.stage.repair import ChunkRepair
 from tiered.tiers import device_reader
 from tiered.tiers.catalog import TierCatalog, summarize
 from tiered.tiers.leases import hold
 
 log = logging.getLogger("tiered")
-_DETAILED = 3  # chunks logged one by one per restore; the rest are counted in the summary
 STAGED_BYTES = 256 << 20
 """Bytes a restore decodes into buffers of its own, at a time, before copying them to destinations
 it cannot decode into directly (GPU tensors without GPU codecs, non-contiguous views, parts of a
 stored tensor: also `dcp_storage`'s bound)."""
-
-
-class ChunkRepair:
-    """Call as ``repair(rec, j, why)`` -> chunk j of `rec` as raw bytes, from the first of
-    `tiers` (slower tiers, in order) whose copy of the step holds it intact. Thread-safe."""
-
-    def __init__(self, step: int, rank: int, failed: str, tiers: Sequence[Any], settings: ZstdSettings,
-                 chunk_size: int):
-        self.step, self.rank, self.failed, self.tiers = step, rank, failed, list(tiers)
-        self.settings, self.chunk_size = settings, chunk_size
-        self._indexes: dict[str, dict[str, TensorRecord] | None] = {}
-        self._readers: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self.repaired: dict[str, int] = {}
-        """Chunks read from each slower tier."""
-
-    def __bool__(self) -> bool:
-        return bool(self.tiers)
-
-    def _records(self, tier: Any) -> dict[str, TensorRecord] | None:
-        if tier.name not in self._indexes:
-            try:
-                manifest = read_manifest(tier, self.step)
-                entry = manifest.entry(self.rank)
-                if entry is None:
-                    raise FormatError(f"step {self.step} has no files of rank {self.rank} there")
-                index = read_rank_index(tier, self.step, entry)
-            except (TieredError, OSError) as exc:
-                log.warning("tiered: step %d: tier %r cannot stand in for %r: %s", self.step, tier.name,
-                            self.failed, exc)
-                self._indexes[tier.name] = None
-                return None
-            usable = index.chunk_size == self.chunk_size
-            if not usable:
-                log.warning("tiered: step %d: tier %r uses chunk_size %d, tier %r %d: cannot mix their chunks",
-                            self.step, tier.name, index.chunk_size, self.failed, self.chunk_size)
-            self._indexes[tier.name] = {t.name: t for t in index.tensors} if usable else None
-            if usable and index.data_bytes:
-                self._readers[tier.name] = tier.open_data_reader(self.step, index.data_file, device=False)
-        return self._indexes[tier.name]
-
-    def __call__(self, rec: TensorRecord, j: int, why: str) -> np.ndarray:
-        tried = []
-        with self._lock:
-            for tier in self.tiers:
-                tried.append(tier.name)
-                records = self._records(tier)
-                other = records.get(rec.name) if records else None
-                if other is None or other.dtype != rec.dtype or other.shape != rec.shape \
-                        or len(other.chunks) != len(rec.chunks):
-                    continue
-                if not get_codec_class(other.codec.name).cpu_capable:
-                    continue  # a GPU-only copy: try a portable tier further down
-                try:
-                    raw = cpu.read_chunk(other, j, self._readers[tier.name], self.settings)
-                except (TieredError, OSError) as exc:
-                    log.warning("tiered: step %d: tier %r has no good copy either: %s", self.step, tier.name, exc)
-                    tried[-1] = f"{tier.name} ({exc})"
-                    continue
-                self.repaired[tier.name] = self.repaired.get(tier.name, 0) + 1
-                if sum(self.repaired.values()) <= _DETAILED:
-                    log.warning("tiered: step %d: %s; read tensor %r chunk %d from tier %r instead", self.step, why,
-                                rec.name, j, tier.name)
-                return raw
-        raise CorruptionError(f"{why}; no slower tier holds a good copy of it (tried: {'; '.join(tried) or 'none'})")
-
-    def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
-        if self.repaired:
-            log.warning("tiered: step %d: %s of tier %r were damaged or missing; read instead from %s", self.step,
-                        _chunks(sum(self.repaired.values())), self.failed,
-                        ", ".join(f"tier {t!r} ({_chunks(n)})" for t, n in self.repaired.items()))
-
-
-def _chunks(n: int) -> str:
-    return f"{n} chunk{'s' if n != 1 else ''}"
 
 
 def decode_rank(step: int, index: RankIndex, dests: dict[int, torch.Tensor], tier: Any, repair: ChunkRepair | None, *,

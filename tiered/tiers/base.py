@@ -3,14 +3,20 @@
 Call order for writing one step (the commit rule: the manifest is the last thing written, and a
 step without one does not exist for any reader):
 
-    tier.begin_step(step)                         # refuses a committed step; clears uncommitted debris
+    tier.begin_step(step)                         # refuses a committed step; files go somewhere of this writer's own
     w = tier.open_data_writer(step, name, device, size_hint)  # per rank: chunk data, append-only, aligned extents
     w.write_host(offset, buf) / w.write_device(offset, tensor)
     w.close()                                     # waits for pending writes, fsyncs
     tier.write_file(step, index_name, bytes)      # per rank: index, durable before the manifest
-    tier.commit(step, manifest_bytes)             # atomic: rename (filesystems) or last object (S3)
-    tier.discard(step)                            # instead of commit, after a failure
-    tier.delete(step)                             # retention: uncommit (manifest first), then remove
+    tier.commit(step, manifest_bytes)             # atomic, and never over another writer's commit
+    tier.discard(step)                            # instead of commit, after a failure: this writer's files only
+    tier.delete(step)                             # retention: uncommit (readers stop seeing it), then remove
+    tier.reclaim_debris()                         # what writers that stopped left (gc, start-up)
+
+One writer per step: of two processes writing one step, the second to commit fails and says so;
+no reader sees a mix of their files (`tiered.tiers.local`, `tiered.tiers.s3` say how). A damaged
+step is replaced only by a copy built aside: ``begin_step(step, replacing=True)`` ... ``commit(step,
+manifest, replace=True)``.
 
 Several ranks writing one step into one place (torch.distributed): each calls
 ``tier.begin_rank(step, rank)`` instead of begin_step and ``discard_rank`` instead of discard, so
@@ -93,7 +99,7 @@ class Tier(Protocol):
 
     def has_step(self, step: int) -> bool: ...
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_step(self, step: int, replacing: bool = False) -> None: ...
 
     def discard(self, step: int) -> None:
         """Remove an uncommitted step's files after a failed save; never touches a committed step."""
@@ -121,7 +127,10 @@ class Tier(Protocol):
 
     def write_file(self, step: int, name: str, data: bytes) -> None: ...
 
-    def commit(self, step: int, manifest: bytes) -> None: ...
+    def commit(self, step: int, manifest: bytes, replace: bool = False) -> None: ...
+
+    def reclaim_debris(self, dry_run: bool = False) -> list[str]:
+        """Remove what writers that stopped left; one line per removal."""
 
     def read_manifest(self, step: int) -> bytes: ...
 

@@ -103,10 +103,11 @@ class LocalTier:
         return is_real_dir(d) and is_regular(d / MANIFEST_NAME)
 
     # --- writing ---------------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        """Start writing `step` alone: refuse a committed step; the files go to a work directory
-        of this writer's own until the commit."""
-        if self.has_step(step):
+    def begin_step(self, step: int, replacing: bool = False) -> None:
+        """Start writing `step` alone: refuse a committed step (unless `replacing` it: a copy to
+        stand in for a damaged one, committed with `commit(..., replace=True)`); the files go to a
+        work directory of this writer's own until the commit."""
+        if not replacing and self.has_step(step):
             raise committed_error(self.name, step, str(self.step_dir(step)))
         work = self._aside(step_dir_name(step), WRITING)
         self._make_dir(work)

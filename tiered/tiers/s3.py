@@ -115,7 +115,11 @@ class S3Tier:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}/{self.prefix}"
 
     def describe(self, step: int, name: str) -> str:
-        return self.url(self._key(step, name))
+        """The URL of a file of the step, in its writer's folder where that is known here (no request)."""
+        with self._lock:
+            folder = self._writing.get(step) or self._folders.get(step)
+        inside = folder and name and name != MANIFEST_NAME
+        return self.url(self._key(step, f"{folder}/{name}" if inside else name))
 
     def _list(self, prefix: str, details: bool = False) -> list[Any]:
         found: list[Any] = []
@@ -145,10 +149,11 @@ class S3Tier:
             raise client_error(exc, f"{self.describe(step, MANIFEST_NAME)}: cannot check") from None
 
     # --- writing ---------------------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
-        """Start writing `step` alone: refuse a committed step; the files go to a folder of this
-        writer's own (no other writer's objects are touched)."""
-        if self.has_step(step):
+    def begin_step(self, step: int, replacing: bool = False) -> None:
+        """Start writing `step` alone: refuse a committed step (unless `replacing` it, see
+        `commit`); the files go to a folder of this writer's own (no other writer's objects are
+        touched)."""
+        if not replacing and self.has_step(step):
             raise committed_error(self.name, step, self.describe(step, ''))
         with self._lock:
             old, self._writing[step] = self._writing.get(step), new_writer_id()
