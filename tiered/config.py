@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, Mapping, Union
 
 import yaml
@@ -423,9 +424,31 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
         if not 0 < timeout <= 3600:
             raise f.error("timeout", f"must be more than 0 and at most 3600 seconds, got {timeout}")
         tier = S3TierConfig(bucket=bucket, prefix=f.typed("prefix", str, "").strip("/"),
-                            endpoint_url=f.typed("endpoint_url", str, None),
+                            endpoint_url=_endpoint(f, f.typed("endpoint_url", str, None)),
                             region=f.typed("region", str, None), profile=f.typed("profile", str, None),
                             part_size=part_size, max_attempts=max_attempts, timeout=float(timeout), **common)
     f.finish()
     return tier
 
+
+def _endpoint(f: _Fields, url: str | None) -> str | None:
+    """An S3 endpoint: scheme://host[:port][/path], no credentials in it (refused without
+    echoing them), no query string (a presigned URL's signature is a credential too)."""
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError:
+        raise f.error("endpoint_url", "is not a URL (expected http(s)://host[:port])") from None
+    if "@" in parts.netloc:
+        shown = f"{parts.scheme}://<credentials>@{parts.netloc.rpartition('@')[2]}"
+        raise f.error("endpoint_url", f"carries credentials ({shown}): they are never read from YAML; use the "
+                                      "standard AWS chain (environment, ~/.aws/credentials with `profile`, "
+                                      "instance role) and give the endpoint as scheme://host[:port]")
+    if parts.query or parts.fragment:
+        raise f.error("endpoint_url", "takes no query string or fragment (a presigned URL's signature is a "
+                                      "credential): give it as scheme://host[:port]")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise f.error("endpoint_url", f"expected http(s)://host[:port], got {url!r}")
+    return url

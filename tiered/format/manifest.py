@@ -18,10 +18,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from tiered.errors import CorruptionError, FormatError
+from tiered.errors import CorruptionError, FormatError, TieredError
 from tiered.format import checksum
 from tiered.format.chunks import ALIGNMENT, ChunkRecord, ChunkTable
-from tiered.format.tree import collector_paused, shares, walk_leaves
+from tiered.format.tree import collector_paused, decode, shares, walk_leaves
 
 FORMAT_VERSION = 1
 INDEX_VERSIONS = (1, 2)
@@ -119,6 +119,12 @@ data, so that the format validates a stored `CodecSpec` without importing the co
 above it). A codec module registers only under a name listed here (`tiered.codecs.base.register`)."""
 
 
+MAX_RATIO = {"none": 1, "zstd": 1 << 16, "ans": 1 << 20}
+"""Raw bytes per stored byte a chunk of each codec may claim (checked before any allocation a
+restore makes for it): zstd's own format tops out near 32,768 (a 64 MiB chunk of zeros stores in
+2,067 bytes); nvCOMP's ANS is given a wider margin. A codec not listed: 1."""
+
+
 def check_codec_spec(spec: CodecSpec) -> None:
     """Raise KeyError for a codec name not in CODEC_PARAMETERS, ValueError for a configuration
     value it does not allow (keys it does not list are ignored, as the codecs ignore them)."""
@@ -207,8 +213,13 @@ class RankIndex:
             raise FormatError(f"{source}: tensor indices are not 0..{len(tensors) - 1}")
         try:
             refs = sorted(walk_leaves(doc.get("skeleton")))
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise FormatError(f"{source}: skeleton: {exc}") from None
+            # Every value decodes: a tampered one fails here, where the reader falls back to another
+            # tier and `verify` reports it, not while a restore rebuilds the state.
+            decode(doc.get("skeleton"), lambda i: None)
+        except TieredError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - numpy, torch and base64 raise their own kinds
+            raise FormatError(f"{source}: skeleton: {type(exc).__name__}: {str(exc)[:200]}") from None
         if doc["version"] >= 2:  # a tensor stored once may be referred to from several places
             refs = sorted(set(refs))
         if refs != list(range(len(tensors))):
@@ -436,6 +447,7 @@ class _Validator:
         if type(shape) is not list or len(shape) > 64 or not all(type(d) is int and 0 <= d < 1 << 48 for d in shape):
             raise FormatError(f"{self.source}: {where}bad shape {str(shape)[:80]}")
         spec = self.codec(t.get("codec"), where)
+        max_ratio = MAX_RATIO.get(spec.name, 1)
         chunks_raw = self.list(t, "chunks", where)
         chunks: list[ChunkRecord] = []
         for j, c in enumerate(chunks_raw):
@@ -452,6 +464,9 @@ class _Validator:
                                   f"the data file ({data_bytes} bytes) or overlaps the previous chunk")
             if not 0 < raw_size <= chunk_size:
                 raise FormatError(f"{self.source}: {where}chunk {j} raw size {raw_size} not in (0, {chunk_size}]")
+            if raw_size > size * max_ratio:
+                raise FormatError(f"{self.source}: {where}chunk {j} claims {raw_size} bytes from {size} stored, more "
+                                  f"than {spec.name} ever expands ({max_ratio}x)")
             end = off + extent
             chunks.append(ChunkRecord(off, size, raw_size, crc_value))
         rec = TensorRecord(index=self.int(t, "index", 0, 1 << 31), name=name, dtype=dtype, shape=tuple(shape),

@@ -176,9 +176,33 @@ def flatten(state: Any, *, share: bool = False) -> tuple[Any, list[Leaf]]:
     if type(state) is Flat:
         return state.skeleton, state.leaves
     leaves: list[Leaf] = []
-    skeleton = _encode(state, (), leaves, {} if share else None)
+    try:
+        skeleton = _encode(state, (), leaves, {} if share else None)
+    except RecursionError:
+        raise StateDictError(_too_deep(state)) from None
     _kept.trim(len(leaves))
     return skeleton, leaves
+
+
+def _too_deep(state: Any) -> str:
+    """Why walking `state` ran out of stack: the path of a container that contains itself, or
+    how deep the state nests (found without recursion, after the walk failed)."""
+    stack: list[tuple[Any, KeyPath, frozenset]] = [(state, (), frozenset())]
+    deepest: KeyPath = ()
+    while stack:
+        obj, path, above = stack.pop()
+        if not isinstance(obj, (dict, list, tuple)):
+            continue
+        if id(obj) in above:
+            return f"{path_str(path)}: the state refers to itself here (a container inside itself): it cannot be saved"
+        if len(path) > len(deepest):
+            deepest = path
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        stack.extend((v, path + (k,), above | {id(obj)}) for k, v in items)
+    where = path_str(deepest) if len(deepest) <= 8 else \
+        f"{path_str(deepest[:3])}...{path_str(deepest[-3:])}"
+    return (f"{where}: the state nests {len(deepest)} containers deep, deeper than Python's recursion limit "
+            "lets it be walked: flatten it")
 
 
 def shares(skeleton: Any) -> bool:
@@ -256,6 +280,8 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
             kept_ids.add(id(got))
         return got
     if obj is None or isinstance(obj, (str, int)):  # int covers bool
+        if cls is int and obj.bit_length() > MAX_INT_BITS:
+            raise _big_int(obj, path)
         return obj
     if isinstance(obj, torch.nn.Parameter):  # (a subclass of Parameter)
         return _tensor_leaf(obj, path, leaves, seen)
@@ -283,6 +309,9 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
         return {"$size": list(obj)}
     if isinstance(obj, list):
         if all(type(v) is int or type(v) is str for v in obj):  # (a param group's ids: one call, not one each)
+            if any(type(v) is int and v.bit_length() > MAX_INT_BITS for v in obj):
+                i = next(i for i, v in enumerate(obj) if type(v) is int and v.bit_length() > MAX_INT_BITS)
+                raise _big_int(obj[i], path + (i,))
             return list(obj)
         return [_encode(v, path + (i,), leaves, seen) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
@@ -291,6 +320,16 @@ def _encode(obj: Any, path: KeyPath, leaves: list[Leaf], seen: dict | None = Non
         f"{path_str(path)}: cannot checkpoint an object of type {type(obj).__module__}.{type(obj).__qualname__}; "
         "supported: tensors, numpy arrays, dict/list/tuple, str/int/float/bool/None/bytes, torch dtype/device/Size. "
         "Call .state_dict() on objects first.")
+
+
+MAX_INT_BITS = 8192
+"""The largest Python int a skeleton holds, in bits (2,467 decimal digits): JSON readers refuse
+integers past 4,300 digits (Python's int-to-str limit), so a larger one would save and never load."""
+
+
+def _big_int(value: int, path: KeyPath) -> StateDictError:
+    return StateDictError(f"{path_str(path)}: an int of {value.bit_length()} bits, more than the {MAX_INT_BITS} a "
+                          "checkpoint stores: keep it as bytes or a tensor")
 
 
 def _tensor_leaf(obj: torch.Tensor, path: KeyPath, leaves: list[Leaf], seen: dict | None) -> Any:

@@ -55,7 +55,7 @@ from tiered.save.failures import SaveFailures
 from tiered.save.fast_codec import FastTierCodec
 from tiered.save.handle import RankFiles, SaveHandle
 from tiered.save.placement import StepTier
-from tiered.save.write import END, Abort, Job, commit_step, complete_after, drain, settle, write_rank
+from tiered.save.write import END, Job, commit_step, complete_after, drain, settle, write_rank
 from tiered.stage import cpu, host_copy
 from tiered.stage.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
                                   to_clone)
@@ -313,7 +313,11 @@ class SavePipeline:
         except (TieredError, OSError) as exc:
             return self._refused(step, exc, rank_only)
         t2 = time.perf_counter()
-        plan = self._plan(tier, leaves, tree.structure_of(state_dict))
+        try:
+            plan = self._plan(tier, leaves, tree.structure_of(state_dict))
+        except BaseException:  # (a leaf the format cannot store: nothing of the step is left behind)
+            tier.discard_rank(step, self.rank) if rank_only else tier.discard(step)
+            raise
         handle = SaveHandle(step, raw_bytes=plan.raw_bytes, tier=tier.name,
                             _reported=self._reported)
         t3 = time.perf_counter()  # (planning in all, and of it: the walk of the state, the tier's step made)
@@ -334,7 +338,11 @@ class SavePipeline:
             self._inflight[step] = handle
         self._jobs.put(job)
         if tier is self.tier:
-            self.codec.after_save(job.plan, handle)  # (the first save: samples the state for codec: auto)
+            try:
+                self.codec.after_save(job.plan, handle)  # (the first save: samples the state for codec: auto)
+            except BaseException as exc:  # the job is queued: the writer must hear of it, or waits for ever
+                job.abort(exc, reported=True)
+                raise
         if self._guards:  # one thread stages, in save order: a strict save too, then waited for here
             job.after = {index: recorded(index) for index in plan.gpu}
             job.overlapped = overlapped is not None
@@ -472,8 +480,7 @@ class SavePipeline:
                 self._logged_new = True
                 say_new(job.step, got, tree.path_str(leaves[got.new[0]].path))
         except BaseException as exc:
-            job.segments.put(Abort(exc))
-            job.go.set()
+            job.abort(exc, reported=False)
             raise
         job.skeleton, job.plan, job.device_io = skeleton, got.plan, bool(plan.gpu)
         handle.raw_bytes, handle.tier = plan.raw_bytes, tier.name
@@ -513,9 +520,7 @@ class SavePipeline:
             cpu.snapshot(rest, plan.tensors, self.workers.host, self.config.chunk_size, job.segments.put, job.go.set)
             handle.timings["cpu_snapshot_ms"] = 1e3 * (time.perf_counter() - t1)
         except BaseException as exc:
-            job.aborted = strict
-            job.segments.put(Abort(exc))
-            job.go.set()
+            job.abort(exc, reported=strict)
             raise
         job.segments.put(END)
         job.go.set()

@@ -83,6 +83,13 @@ class Job:
     """Tensors the stager thread cloned on a side stream: alive until the save has read the clones
     (freed sooner, their memory could be taken and written by training's stream first)."""
 
+    def abort(self, exc: BaseException, reported: bool) -> None:
+        """Hand the writer this save's failure instead of (the rest of) its segments; `reported`:
+        the caller raises it, so the writer does not record it again."""
+        self.aborted = reported
+        self.segments.put(Abort(exc))
+        self.go.set()
+
     def drop_tensors(self) -> None:
         """Forget the saved tensors once the GPU has read them (or the save has failed): the engine
         must not keep a state alive that the caller has let go, nor let it go while still reading."""

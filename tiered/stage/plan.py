@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from tiered.codecs import get_codec_class
+from tiered.errors import FormatError, StateDictError
 from tiered.format.manifest import CodecSpec, dtype_name
 from tiered.format.tree import Leaf, path_str
 
@@ -116,12 +117,20 @@ def choose_codec(tier_codec: str, dtype: torch.dtype, on_gpu: bool) -> CodecSpec
 
 
 def make_plan(leaves: list[Leaf], tier_codec: str, chunk_size: int, gpu_codecs: bool) -> SavePlan:
+    """The plan of a state's leaves; a leaf the format cannot store (a meta tensor, a dtype it does
+    not list) is refused here, in the save's call, naming its path."""
     gpu: dict[int, list[TensorPlan]] = {}
     cpu: list[TensorPlan] = []
     for i, leaf in enumerate(leaves):
         t = leaf.tensor
+        if t.is_meta:
+            raise StateDictError(f"{path_str(leaf.path)}: a tensor on the meta device holds no data to save "
+                                 "(materialize it first: to_empty() and initialize or load it)")
         on_gpu = t.is_cuda and gpu_codecs
-        spec = choose_codec(tier_codec, t.dtype, on_gpu)
+        try:
+            spec = choose_codec(tier_codec, t.dtype, on_gpu)
+        except FormatError as exc:
+            raise StateDictError(f"{path_str(leaf.path)}: {exc}") from None
         p = TensorPlan(i, path_str(leaf.path), spec, leaf.is_numpy, chunk_size, t.numel() * t.element_size(), t.dtype,
                        tuple(t.shape), str(t.device))
         if on_gpu:
