@@ -64,6 +64,75 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.fixture
+def ramfs(tmp_path):
+    """A real ramfs mount: a filesystem that refuses O_DIRECT (EINVAL at open), as some network
+    and FUSE filesystems do (tmpfs accepts it since Linux 6.6)."""
+    mount = tmp_path / "ramfs"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a ramfs needs root")
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+class FailingDisk:
+    """An ext4 filesystem on a loop device over a file: `fail_reads()` cuts the file short, and
+    from then on every read of a block past the cut fails with EIO, as a dying disk's do."""
+
+    def __init__(self, tmp_path):
+        self.image, self.mount = tmp_path / "disk.img", tmp_path / "disk"
+        self.mount.mkdir()
+        with open(self.image, "wb") as f:
+            f.truncate(64 << 20)
+        self.device = self._run("losetup", "-f", "--show", str(self.image)).strip()
+        try:
+            self._run("mkfs.ext4", "-q", "-O", "^has_journal", self.device)
+            self._run("mount", self.device, str(self.mount))
+        except BaseException:
+            self._run("losetup", "-d", self.device, check=False)
+            raise
+
+    @staticmethod
+    def _run(*cmd, check=True):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if check and r.returncode != 0:
+            pytest.skip(f"no loop-device filesystem here ({' '.join(cmd[:2])}: {r.stderr.strip()})")
+        return r.stdout
+
+    def fail_reads(self, keep: int = 1 << 20) -> None:
+        """Blocks past the first `keep` bytes of the device now fail to read (EIO); the page cache
+        of every file on it is dropped first, so that reads go to the device."""
+        subprocess.run(["sync"], check=True)
+        for path in self.mount.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        os.truncate(self.image, keep)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.mount)], check=False)
+        subprocess.run(["losetup", "-d", self.device], check=False)
+
+
+@pytest.fixture
+def failing_disk(tmp_path):
+    """A real filesystem whose reads can be made to fail with EIO (`FailingDisk`); root only."""
+    if os.geteuid() != 0:
+        pytest.skip("a loop device needs root")
+    disk = FailingDisk(tmp_path)
+    try:
+        yield disk
+    finally:
+        disk.close()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real SeaweedFS S3 server on loopback for the whole run (tests.helpers.running_s3)."""

@@ -82,7 +82,7 @@ def test_the_scale_benchs_control_row_saves_nothing_and_the_summary_nets_the_row
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     control, tiered = json.loads(out.read_text())["scale"][0]["rows"]
     assert control["name"] == "no_save:0.2" and control["stored_bytes"] == 0 and control["restore_s"] is None
-    assert all(0.2 <= s["durable_s"] < 1.5 for s in control["saves"]), control["saves"]
+    assert all(s["durable_s"] >= 0.2 for s in control["saves"]), control["saves"]  # (its 0.2 s "save" is a sleep)
     net = tiered["warm_stall_ms"]["median"] - control["warm_stall_ms"]["median"]
     assert f"no_save:0.2 (nothing saved) measured {control['warm_stall_ms']['median']} ms" in run.stdout
     assert f"tiered_overlap {net:+.1f} ms" in run.stdout, run.stdout[-2000:]

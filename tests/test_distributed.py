@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -21,15 +20,29 @@ import yaml
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Rendezvous:
+    """The rendezvous of a job of several torchrun launches (nodes) on this machine: a TCPStore this
+    test process hosts, on a port the system gave it and holds (never a port found free, released
+    and bound again: another process may take it between), which each node's agent joins as a
+    client (c10d backend, `is_host=false`). The agents' workers then meet at the store the first
+    agent hosts for them, on a port it holds too. Node ranks follow the order in which the agents
+    were started (c10d ranks the nodes of one host by their agents' process ids): `nodes()` starts
+    them in order."""
+
+    def __init__(self) -> None:
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+        self.id = f"tiered-test-{os.getpid()}-{id(self)}"
+
+    def args(self) -> list[str]:
+        return ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.store.port}", f"--rdzv-id={self.id}",
+                "--rdzv-conf=is_host=false"]
 
 
-def launch(nproc: int, *args: str, nodes: int = 1, node: int = 0, port: int | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nodes}",
-           f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port or free_port()}", str(WORKER), *args]
+def launch(nproc: int, *args: str, nodes: int = 1, rdzv: Rendezvous | None = None) -> subprocess.Popen:
+    where = ["--standalone"] if rdzv is None else [f"--nnodes={nodes}", *rdzv.args()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *where, str(WORKER), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -52,8 +65,8 @@ def torchrun(nproc: int, *args: str) -> None:
 def two_nodes(configs: list[str], *args: str) -> None:
     """Two torchrun agents on this machine as nodes 0 and 1 of one job, 2 ranks each, each node
     with its own config (its own node-local directory)."""
-    port = free_port()
-    procs = [launch(2, *args, "--config", cfg, nodes=2, node=i, port=port) for i, cfg in enumerate(configs)]
+    rdzv = Rendezvous()
+    procs = [launch(2, *args, "--config", cfg, nodes=2, rdzv=rdzv) for cfg in configs]
     for i, proc in enumerate(procs):
         finish(proc, f"node {i}: {' '.join(args)}")
 
@@ -316,10 +329,10 @@ def test_a_rank_that_dies_ends_the_others_with_its_name_and_no_half_committed_st
     path.write_text(yaml.safe_dump(cfg))
     if during == "restore":
         torchrun(2, "save", "--config", str(path), "--step", "7", "--how", "engine")
-    port = free_port()
+    rdzv = Rendezvous()
     mode = "save-dies" if during == "commit" else "load-dies"
-    procs = [launch(1, mode, "--config", str(path), "--step", "8" if during == "commit" else "7",
-                    nodes=2, node=i, port=port) for i in (0, 1)]
+    procs = [launch(1, mode, "--config", str(path), "--step", "8" if during == "commit" else "7", nodes=2, rdzv=rdzv)
+             for _ in (0, 1)]
     try:
         assert procs[1].wait(timeout=300) != 0, "rank 1 was to die"
         out0 = _first_json_line(procs[0])

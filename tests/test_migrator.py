@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -534,8 +535,24 @@ def test_wait_migrated_covers_every_step_saved_before_it(tmp_path, monkeypatch):
     # queueing is slow (a slow submit widens the window the old order left open).
     from tiered.migrate.migrator import BackgroundMigrator
 
-    real = BackgroundMigrator.submit
-    monkeypatch.setattr(BackgroundMigrator, "submit", lambda self, step: (time.sleep(0.1), real(self, step)))
+    # Each step is queued only once wait_migrated() has been called for it: an engine that reported
+    # the save persisted before queueing it would let that wait return with the step missing below.
+    entered = threading.Event()
+    real_submit, real_wait = BackgroundMigrator.submit, tiered.Engine.wait_migrated
+
+    def submit(self, step):
+        assert entered.wait(60), "wait_migrated() was never called"
+        real_submit(self, step)
+
+    def wait_migrated(self, *args, **kwargs):
+        entered.set()
+        try:
+            return real_wait(self, *args, **kwargs)
+        finally:
+            entered.clear()
+
+    monkeypatch.setattr(BackgroundMigrator, "submit", submit)
+    monkeypatch.setattr(tiered.Engine, "wait_migrated", wait_migrated)
     with tiered.Engine.from_config(cluster(tmp_path, "zstd", migration="in_process")) as engine:
         for step in range(1, 9):
             engine.save(step, {"w": torch.randn(50_000)})
@@ -653,8 +670,16 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
     from tiered.tiers.posix import SHARED_PARALLEL_READS
 
     class Recorder:
-        def __init__(self, inner, hide=False):
-            self.inner, self.hide, self.lock, self.now, self.most, self.starts = inner, hide, threading.Lock(), 0, 0, []
+        """Counts the reads in flight. Each read waits until `meet` of them are in flight at once
+        (then none waits any more), so that reads overlap as far as the reader lets them, whatever
+        the machine's speed; a reader that never has `meet` in flight leaves each read waiting
+        `PATIENCE_S`, and the count below says so."""
+
+        PATIENCE_S = 5.0
+
+        def __init__(self, inner, hide=False, meet=2):
+            self.inner, self.hide, self.meet = inner, hide, meet
+            self.cond, self.now, self.most, self.starts, self.met = threading.Condition(), 0, 0, [], False
 
         def __getattr__(self, name):
             if name == "parallel_reads" and self.hide:
@@ -662,13 +687,15 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
             return getattr(self.inner, name)
 
         def read_into(self, offset, out):
-            with self.lock:
+            with self.cond:
                 self.now += 1
                 self.most = max(self.most, self.now)
                 self.starts.append(offset)
-            time.sleep(0.05)  # (reads overlap as far as the reader lets them)
+                self.met = self.met or self.now >= self.meet
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.met, timeout=self.PATIENCE_S)
             self.inner.read_into(offset, out)
-            with self.lock:
+            with self.cond:
                 self.now -= 1
 
     mib = 1 << 20
@@ -687,7 +714,7 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
         shared_reader.close()
         for hide, most in ((False, 2), (True, None)):
             inner = tier.open_data_reader(1, index.data_file, device=False)
-            rec, buffers = Recorder(inner, hide), WindowBuffers()
+            rec, buffers = Recorder(inner, hide, meet=most or 3), WindowBuffers()
             try:
                 got = b"".join(bytes(data) for _, data, _ in chunk_windows(file_order(index.tensors), rec, buffers))
             finally:

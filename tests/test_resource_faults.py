@@ -176,3 +176,50 @@ def test_a_save_that_stands_still_logs_where_the_engines_threads_stand(tmp_path,
     assert len(said) == 1, said
     assert "step 7" in said[0] and "tiered-writer" in said[0] and "in stuck" in said[0], said[0]
     assert torch.equal(out["w"], state["w"])
+
+
+def test_eio_on_a_real_disk_is_damage_read_around_and_reported(failing_disk, tmp_path, capsys):
+    """The fast tier's disk fails its reads (EIO, a real filesystem over a device that has lost
+    its blocks): the restore reads the shared tier's copy bit-exact and `tiered verify` names the
+    error."""
+    import yaml
+
+    from tiered.cli import main
+
+    cfg = {"chunk_size": "1MiB", "migration": "external", "tiers": [
+        {"name": "local", "kind": "local", "path": str(failing_disk.mount / "nvme"), "codec": "none"},
+        {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared"), "codec": "zstd"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    want = state(1, 16)
+    with tiered.Engine.from_config(cfg) as engine:
+        engine.save(1, want).wait()
+    assert main(["migrate", "--config", str(path), "-q"]) == 0
+    failing_disk.fail_reads()
+    capsys.readouterr()
+    assert main(["verify", "--config", str(path), "--tier", "local", "-q"]) == 1
+    assert "Input/output error" in capsys.readouterr().out
+    with tiered.Engine.from_config(cfg) as engine:
+        got = engine.load(1)
+    assert torch.equal(got["w"], want["w"])
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "on"])
+def test_a_real_filesystem_that_refuses_o_direct(ramfs, direct_io):
+    """ramfs refuses O_DIRECT at open (EINVAL): `auto` writes and reads buffered, saying so in
+    the index; `on` fails the save with an error naming the setting."""
+    cfg = {"migration": "external", "tiers": [{"name": "local", "kind": "local", "path": str(ramfs / "nvme"),
+                                               "direct_io": direct_io}]}
+    w = torch.randn(600_000)
+    with tiered.Engine.from_config(cfg) as engine:
+        handle = engine.save(1, {"w": w})
+        if direct_io == "on":
+            with pytest.raises(tiered.BackgroundSaveError, match="cannot open with O_DIRECT.*direct_io: auto or off"):
+                handle.wait()
+            engine.wait()
+            assert engine.steps() == []
+        else:
+            handle.wait()
+            _, index = engine.read_index(1)
+            assert index.io == "posix-buffered"
+            assert torch.equal(engine.load(1)["w"], w)

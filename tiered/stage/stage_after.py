@@ -32,7 +32,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("tiered")
 
@@ -62,7 +62,11 @@ class StageAfter:
     overlapped save: the longest wait among the standing guards (`set`; "auto" as the module
     says), cut short once anything waits for the save's reads (`hurry`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 wait: Callable[[threading.Event, float], bool] = threading.Event.wait) -> None:
+        """`clock` (seconds) and `wait(event, timeout)` (True where the event was set): the real
+        ones, but for a test that plays a loop's time out without spending it."""
+        self._clock, self._wait = clock, wait
         self._by: dict[int, float | None] = {}
         """Per guarded optimizer (by id): its wait in seconds, None for auto."""
         self._steps: dict[int, collections.deque[float]] = {}
@@ -91,7 +95,7 @@ class StageAfter:
         times = self._steps.get(id(optimizer))
         if times is None:
             times = self._steps[id(optimizer)] = collections.deque(maxlen=PERIODS + 1)
-        times.append(time.perf_counter())
+        times.append(self._clock())
 
     def auto_seconds(self) -> tuple[float, float, float | None]:
         """(the wait `auto` chooses now, the step interval it measured, the last save's read time
@@ -135,19 +139,19 @@ class StageAfter:
         `timings`: its handle's, where `plan_ms` is what the call spent before `started`): wait
         until the longest wait has passed since, or until `hurry` is set."""
         delay = self._delay()
-        t0 = time.perf_counter()
+        t0 = self._clock()
         if delay > 0 and t0 < started + delay:
-            cut = hurry.wait(started + delay - t0)  # (set already: the optimizer step came before this thread did)
-            timings["stage_after_ms"] = 1e3 * (time.perf_counter() - t0)
+            cut = self._wait(hurry, started + delay - t0)  # (set already: the optimizer step came before this thread did)
+            timings["stage_after_ms"] = 1e3 * (self._clock() - t0)
             auto = None in self._by.values()
             if cut and auto:
                 log.debug("tiered: step %d: the reads start %.0f ms after save(), before the %.0f ms that "
                           "stage_after_ms='auto' chose: something waits for them", step,
-                          1e3 * (time.perf_counter() - started), 1e3 * delay)
+                          1e3 * (self._clock() - started), 1e3 * delay)
             elif cut and not self._logged_cut:
                 self._logged_cut = True
                 log.warning("tiered: step %d: something waited for the save's reads (the optimizer step, or a wait) "
                             "%.0f ms after save(), before %s had passed: it waited for the whole read of the "
                             "state; a lower stage_after_ms (or 0) overlaps it with more of the step", step,
-                            1e3 * (time.perf_counter() - started), f"guard(stage_after_ms={1e3 * delay:.0f})")
-        self._last = timings, 1e3 * (time.perf_counter() - started) + timings.get("plan_ms", 0.0)
+                            1e3 * (self._clock() - started), f"guard(stage_after_ms={1e3 * delay:.0f})")
+        self._last = timings, 1e3 * (self._clock() - started) + timings.get("plan_ms", 0.0)
