@@ -374,13 +374,17 @@ class LocalDataReader:
         size = len(out)
         self._check(offset, size)
         done = 0
-        if size >= DIRECT_READ_MIN and not offset % ALIGNMENT and self._direct_policy != "off" and _is_aligned(out):
-            done = self._read_direct(offset, out)
-        while done < size:  # buffered: the whole range, or what O_DIRECT left (an unaligned tail)
-            n = os.preadv(self._fd, [out[done:]], offset + done)
-            if n == 0:
-                raise TieredError(f"{self.path}: unexpected end of file at {offset + done}")
-            done += n
+        try:
+            if size >= DIRECT_READ_MIN and not offset % ALIGNMENT and self._direct_policy != "off" and \
+                    _is_aligned(out):
+                done = self._read_direct(offset, out)
+            while done < size:  # buffered: the whole range, or what O_DIRECT left (an unaligned tail)
+                n = os.preadv(self._fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise TieredError(f"{self.path}: unexpected end of file at {offset + done}")
+                done += n
+        except OSError as exc:  # (EIO from a failing disk: the reader falls back to another tier)
+            raise TieredError(f"{self.path}: read of {size} bytes at offset {offset} failed: {exc.strerror}") from None
 
     def _read_direct(self, offset: int, out: memoryview) -> int:
         """Read the whole pages of `out` (page-aligned, at a page-aligned `offset`) with O_DIRECT;
