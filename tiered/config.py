@@ -29,6 +29,8 @@ AUTO = "auto"
 CPU_DECODABLE_CODECS = ("zstd", "none")
 _MIN_CHUNK = 64 * 1024
 _MAX_CHUNK = 64 * 1024 * 1024
+ANS_MAX_CHUNK = 16 * 1024 * 1024
+"""The largest chunk nvCOMP's ANS compresses."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +288,11 @@ def _parse(data: object, source: str) -> Config:
         if name in names[:i]:
             raise ConfigError(f"{source}: tiers[{i}].name: duplicate tier name {name!r}")
     _refuse_shared_storage(tiers, source)
+    gpu_only = [t.name for t in tiers if t.codec in ("ans", AUTO)]
+    if chunk_size > ANS_MAX_CHUNK and gpu_only:
+        raise top.error("chunk_size", f"at most 16MiB where a tier may store with ans (nvCOMP's ANS takes chunks "
+                                      f"of up to 16 MiB; tier {gpu_only[0]!r} has codec {tiers[names.index(gpu_only[0])].codec}), "
+                                      f"got {chunk_size}")
     return Config(source=source, chunk_size=chunk_size, budgets=budgets, zstd=zstd, migration=migration,
                   on_fast_tier_error=on_error, on_save_failure=on_failure, max_failed_saves=max_failed,
                   max_time_without_commit=unprotected, distributed_timeout=dist_timeout, tiers=tiers,
