@@ -171,6 +171,29 @@ def test_restore_falls_back_past_a_source_whose_index_is_damaged_and_copies_from
     assert "no tier named 'nowhere'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("archive_codec", ["zstd", "none"])  # chunks kept as they are / recompressed
+def test_a_migration_takes_a_chunk_damaged_on_its_source_from_a_tier_above(tmp_path, archive_codec, caplog):
+    tiers = [local(tmp_path), local(tmp_path, "shared", "posix"),
+             local(tmp_path, "archive", "posix", codec=archive_codec)]
+    config = write_config(tmp_path / "c.yaml", tiers)
+    state = {"w": torch.randn(300_000), "b": torch.randn(50_000)}
+    with tiered.Engine.from_config(config) as engine:
+        engine.save(4, state).wait()
+        from tiered.migrate.migrator import migrate_step
+
+        migrate_step(4, engine.get_tier("local"), engine.get_tier("shared"), codec=None)
+        _, index = engine.read_index(4, tier="shared")
+    data = tmp_path / "shared" / "step_000000000004" / "rank_00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[index.tensors[0].chunks[1].offset + 7] ^= 0x10
+    data.write_bytes(bytes(raw))
+    assert main(["migrate", "--config", str(config), "-q"]) == 0
+    assert "chunk 1 from tier 'local' instead" in caplog.text, caplog.text
+    assert main(["verify", "--config", str(config), "--tier", "archive", "-q"]) == 0
+    with tiered.Engine.from_config(config) as engine:
+        assert_same(state, engine.load(4, tier="archive"))
+
+
 def test_a_tampered_skeleton_value_is_damage_the_reader_goes_around_and_verify_reports(tmp_path, capsys):
     from tiered.format import checksum
     from tiered.format.manifest import Manifest

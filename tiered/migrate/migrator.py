@@ -244,8 +244,9 @@ def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool
                  gpu: GpuRecoder | None, progress: Callable[[int], None] | None = None,
                  buffers: WindowBuffers | None = None) -> int:
     """Copy `step` down every hop it is missing from (each tier from the one above it, so it is
-    recompressed once, where the codec changes). Returns the number of copies made. `buffers`:
-    as for `migrate_step`."""
+    recompressed once, where the codec changes); a chunk damaged on the source is taken from a
+    tier above it that still holds the step. Returns the number of copies made. `buffers`: as for
+    `migrate_step`."""
     made, records = 0, RecordLog(records_root(config))
     by_name = {t.name: t for t in config.tiers}
     names = [t.name for t in config.tiers]
@@ -255,8 +256,9 @@ def migrate_down(step: int, config: Any, get_tier: Callable[[str], Any], *, pool
             continue
         codec = choose_tier_codec(step, src, by_name[lower], dst, settings=config.zstd, pool=pool, gpu=gpu)
         t0 = time.perf_counter()
+        above = [get_tier(n) for n in names[:names.index(upper)]]
         manifest = migrate_step(step, src, dst, codec=codec, settings=config.zstd, pool=pool, gpu=gpu,
-                                progress=progress, buffers=buffers)
+                                progress=progress, buffers=buffers, repair_from=[t for t in above if t.has_step(step)])
         if manifest is not None:
             made += 1
             records.append(migrate_record(manifest, upper, lower, time.perf_counter() - t0, [codec] if codec else []))
