@@ -48,37 +48,32 @@ def _bandwidth_cache(tmp_path_factory):
         os.environ["TIERED_CACHE_DIR"] = saved
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 24 MiB filesystem (tmpfs): writes past it fail with ENOSPC."""
-    mount = tmp_path / "small"
+def _mounted(tmp_path, name: str, fstype: str, *options: str):
+    """A fresh filesystem of `fstype` mounted at tmp_path/name for the test (root only)."""
+    mount = tmp_path / name
     mount.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
+        pytest.skip(f"mounting a {fstype} needs root")
+    r = subprocess.run(["mount", "-t", fstype, *options, fstype, str(mount)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fstype} here: {r.stderr.strip()}")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 24 MiB filesystem (tmpfs): writes past it fail with ENOSPC."""
+    yield from _mounted(tmp_path, "small", "tmpfs", "-o", "size=24m")
 
 
 @pytest.fixture
 def ramfs(tmp_path):
     """A real ramfs mount: a filesystem that refuses O_DIRECT (EINVAL at open), as some network
     and FUSE filesystems do (tmpfs accepts it since Linux 6.6)."""
-    mount = tmp_path / "ramfs"
-    mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a ramfs needs root")
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs here: {r.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from _mounted(tmp_path, "ramfs", "ramfs")
 
 
 class FailingDisk:
