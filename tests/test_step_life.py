@@ -321,6 +321,27 @@ def test_gc_removes_what_stopped_writers_left_and_leaves_live_writers_alone(tmp_
         assert_same(state, engine.load(1))  # from the shared tier: the local copy was being deleted
 
 
+def test_a_step_directory_an_older_tiered_left_uncommitted_gives_way_once_quiet(tmp_path):
+    """tiered before 0.3 wrote a step in place and marked no writer: its uncommitted directory
+    blocks a new save of that step only while its files still change (a writer may be at work);
+    once quiet for UNMARKED_QUIET_S it is debris, and the save removes it and commits."""
+    from tiered.tiers.local import UNMARKED_QUIET_S
+
+    root = tmp_path / "local"
+    left = root / "step_000000000003"
+    left.mkdir(parents=True)
+    (left / "rank_00000.data").write_bytes(b"x" * 4096)
+    with tiered.Engine.from_config({"tiers": [local(tmp_path)], "on_save_failure": "raise"}) as engine:
+        with pytest.raises(tiered.TieredError, match="being written in .* by another writer"):
+            engine.save(3, {"w": torch.ones(8)}).wait()
+        old = time.time() - UNMARKED_QUIET_S - 60
+        for path in (left / "rank_00000.data", left):
+            os.utime(path, (old, old))
+        engine.save(3, {"w": torch.ones(8)}).wait()
+        assert engine.steps() == [3] and torch.equal(engine.load(3)["w"], torch.ones(8))
+    assert not list(root.glob(".step_*"))
+
+
 # --- refused before anything is written ---------------------------------------------------
 def _deep() -> dict:
     out = cur = {}

@@ -45,7 +45,7 @@ from tiered.tiers.base import committed_error
 from tiered.tiers.files import is_real_dir, is_regular, open_regular, read_bounded
 from tiered.tiers.local_io import (IO_TASK, AlignedBuffer, LocalDataReader, LocalDataWriter, durable_tmp,
                                    drain_quietly, fsync_dir, kvikio_mode, replace_durably, wait_done, wait_futures)
-from tiered.tiers.writers import FOREIGN_TTL_S, abandon, new_writer_id, writer_live
+from tiered.tiers.writers import abandon, new_writer_id, writer_live
 
 __all__ = ["DELETING", "IO_TASK", "WRITING", "durable_tmp", "AlignedBuffer", "LocalDataReader", "LocalDataWriter", "LocalTier", "drain_quietly",
            "fsync_dir", "kvikio_mode", "replace_durably", "wait_done", "wait_futures"]
@@ -54,6 +54,10 @@ log = logging.getLogger("tiered")
 WRITING, DELETING = ".writing", ".deleting"
 """Suffixes of the hidden directories beside the steps: a step being written, one being deleted."""
 _MARK = ".writer__"
+UNMARKED_QUIET_S = 600
+"""An uncommitted step directory no writer has marked is debris once nothing in it has changed for
+this long: a save by tiered before 0.3 left such directories, and a restarted run saving that
+step again must not wait FOREIGN_TTL_S for them."""
 _LINKLESS = {errno.EPERM, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", -1), getattr(errno, "EOPNOTSUPP", -1)}
 """link(2) errors of a filesystem without hard links."""
 
@@ -305,8 +309,9 @@ class LocalTier:
     # --- debris ----------------------------------------------------------------------------
     def _live_writers(self, d: Path) -> str:
         """The writers that may still be at work in the uncommitted step directory `d` ('' for
-        none): its marks' processes where they run; a directory without marks whose files changed
-        within FOREIGN_TTL_S counts as written by an unknown writer."""
+        none): its marks' processes where they run; a directory without marks (a save of tiered
+        before 0.3, or ranks between making it and marking it) whose files changed within
+        UNMARKED_QUIET_S counts as written by an unknown writer."""
         try:
             entries = list(os.scandir(d))
         except OSError:
@@ -315,7 +320,7 @@ class LocalTier:
         if marks:
             return ", ".join(e.name[len(_MARK):] for e in marks
                              if writer_live(e.name[len(_MARK):], e.stat(follow_symlinks=False).st_mtime))
-        return "an unknown writer" if time.time() - _changed(d, entries) < FOREIGN_TTL_S else ""
+        return "an unknown writer" if time.time() - _changed(d, entries) < UNMARKED_QUIET_S else ""
 
     def reclaim_debris(self, dry_run: bool = False) -> list[str]:
         """Remove what no live writer owns: work directories of writers that stopped, deletions
