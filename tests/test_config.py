@@ -83,7 +83,7 @@ LOCAL = {"name": "local", "kind": "local", "path": "/tmp/x"}
     (dict(tiers=[{"kind": "local", "path": "/x"}]), "tiers[0].name", "is required"),
     (dict(tiers=[{**LOCAL, "name": "a/b"}]), "tiers[0].name", "letters, digits"),
     (dict(tiers=[LOCAL, LOCAL]), "tiers[1].name", "duplicate tier name"),
-    (dict(tiers=[{"name": "s", "kind": "s3", "bucket": "b"}]), "tiers[0].kind", "first tier must be kind 'local'"),
+    (dict(tiers=[{"name": "s", "kind": "s3", "bucket": "b"}]), "tiers[0].kind", "first tier must be kind 'memory' or 'local'"),
     (dict(tiers=[LOCAL, {"name": "s", "kind": "s3"}]), "tiers[1].bucket", "is required"),
     (dict(tiers=[LOCAL, {"name": "s", "kind": "s3", "bucket": "b", "aws_secret_access_key": "x"}]),
      "tiers[1].aws_secret_access_key", "never read from YAML"),

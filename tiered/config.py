@@ -88,6 +88,18 @@ class LocalTierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryTierConfig(LocalTierConfig):
+    """Host RAM on the node that outlives the training process: a tmpfs (default /dev/shm/tiered),
+    written and read as the local tier is; the fast tier, above local NVMe, or alone."""
+
+    size: int | None = None
+    """Bytes of steps the tier may hold (oldest steps a slower tier holds make room); None: half
+    of its filesystem, measured when the tier is opened."""
+    memory_only: bool = True
+    """Refuse a path whose filesystem is not memory-backed (tmpfs, ramfs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PosixTierConfig(TierConfig):
     """A shared POSIX filesystem (Lustre, GPFS, NFS)."""
 
@@ -282,7 +294,10 @@ def _parse(data: object, source: str) -> Config:
         raise top.error("on_fast_tier_error", "next_tier needs a second tier to fall back to")
     tiers = tuple(_parse_tier(t, source, f"tiers[{i}]") for i, t in enumerate(raw_tiers))
     if not isinstance(tiers[0], LocalTierConfig):
-        raise ConfigError(f"{source}: tiers[0].kind: the first tier must be kind 'local' (node-local NVMe)")
+        raise ConfigError(f"{source}: tiers[0].kind: the first tier must be kind 'memory' or 'local' (on this node)")
+    for i, t in enumerate(tiers[1:], 1):
+        if isinstance(t, MemoryTierConfig):
+            raise ConfigError(f"{source}: tiers[{i}].kind: a memory tier can only be the first tier (the fastest)")
     names = [t.name for t in tiers]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -365,7 +380,8 @@ def _parse_codecs(data: object, source: str) -> ZstdSettings:
     return ZstdSettings(level=level, threads=threads)
 
 
-_TIER_KINDS = ("local", "posix", "s3")
+_TIER_KINDS = ("memory", "local", "posix", "s3")
+MEMORY_DEFAULT_PATH = "/dev/shm/tiered"
 
 
 def _parse_tier(data: object, source: str, where: str) -> TierConfig:
@@ -376,7 +392,7 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
     kind = f.typed("kind", str, required=True)
     if kind not in _TIER_KINDS:
         raise f.error("kind", f"unknown tier kind {kind!r} (known: {', '.join(_TIER_KINDS)})")
-    portable = f.typed("portable", bool, kind != "local")
+    portable = f.typed("portable", bool, kind not in ("local", "memory"))
     codec = f.typed("codec", str, AUTO)
     if codec not in CODEC_NAMES + (AUTO,):
         raise f.error("codec", f"unknown codec {codec!r} (known: {AUTO}, {', '.join(CODEC_NAMES)})")
@@ -401,15 +417,18 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
             raise f.error(key, f"must be a number of US dollars >= 0, got {value!r}")
         retention[key] = None if value is None else float(value)
     common = dict(name=name, kind=kind, codec=codec, portable=portable, bandwidth=bandwidth, **retention)
-    if kind in ("local", "posix"):
-        path = f.typed("path", str, required=True)
+    if kind in ("local", "posix", "memory"):
+        path = f.typed("path", str, MEMORY_DEFAULT_PATH) if kind == "memory" else f.typed("path", str, required=True)
         if not path.strip():
             raise f.error("path", "must not be empty")
-        if kind == "local":
-            direct_io = f.typed("direct_io", str, "auto")
-            if direct_io not in ("auto", "on", "off"):
-                raise f.error("direct_io", f"expected auto, on or off, got {direct_io!r}")
-            tier: TierConfig = LocalTierConfig(path=Path(path).expanduser(), direct_io=direct_io, **common)
+        if kind == "memory":
+            size = None if f.get("size", None) is None else f.size("size", 0)
+            if size is not None and size < 1 << 20:
+                raise f.error("size", f"must be at least 1MiB (or left out: half of the memory filesystem), got {size}")
+            tier: TierConfig = MemoryTierConfig(path=Path(path).expanduser(), direct_io=_direct_io(f), size=size,
+                                    memory_only=f.typed("memory_only", bool, True), **common)
+        elif kind == "local":
+            tier = LocalTierConfig(path=Path(path).expanduser(), direct_io=_direct_io(f), **common)
         else:
             tier = PosixTierConfig(path=Path(path).expanduser(), **common)
     else:
@@ -436,6 +455,13 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
                             part_size=part_size, max_attempts=max_attempts, timeout=float(timeout), **common)
     f.finish()
     return tier
+
+
+def _direct_io(f: _Fields) -> str:
+    direct_io = f.typed("direct_io", str, "auto")
+    if direct_io not in ("auto", "on", "off"):
+        raise f.error("direct_io", f"expected auto, on or off, got {direct_io!r}")
+    return direct_io
 
 
 def _endpoint(f: _Fields, url: str | None) -> str | None:

@@ -11,6 +11,7 @@ from tiered.config import Config
 from tiered.errors import TieredError
 from tiered.format.manifest import ALIGNMENT
 from tiered.tiers.catalog import TierCatalog
+from tiered.tiers.retention import make_room
 from tiered.units import format_size
 
 log = logging.getLogger("tiered")
@@ -32,16 +33,22 @@ class StepTier:
         or it has less free space than the step may need). With `rank`, that rank's part of a
         distributed step, on the fast tier."""
         fast = self.catalog.fast
+        budget = getattr(fast, "size", None)  # (a memory tier's)
         if rank is not None:
             fast.begin_rank(step, rank)
+            if budget is not None:
+                make_room(self.config, self.catalog.get, fast, self._need(leaves))
             return fast
         if self.config.on_fast_tier_error == "fail" or fast.has_step(step):
             fast.begin_step(step)  # (a committed step is refused here, whatever the setting)
+            if budget is not None:
+                self._fits(fast, step, self._need(leaves))
             return fast
         try:
             fast.begin_step(step)
-            need = sum(-(-n // self.config.chunk_size) * ALIGNMENT + n
-                       for n in (leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)) + (1 << 20)
+            need = self._need(leaves)
+            if budget is not None:
+                self._fits(fast, step, need)
             free = shutil.disk_usage(fast.root).free
             if free < need:
                 fast.discard(step)
@@ -64,3 +71,16 @@ class StepTier:
             log.warning("tiered: the fast tier %r takes saves again (from step %d)", fast.name, step)
             self._falling_back = False
         return fast
+
+    def _need(self, leaves: Sequence[Any]) -> int:
+        """The most bytes a step of these leaves may take on a tier (every chunk stored whole)."""
+        return sum(-(-n // self.config.chunk_size) * ALIGNMENT + n
+                   for n in (leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)) + (1 << 20)
+
+    def _fits(self, tier: Any, step: int, need: int) -> None:
+        """Make room for the step in a tier's size budget, or discard it there and raise."""
+        try:
+            make_room(self.config, self.catalog.get, tier, need)
+        except TieredError:
+            tier.discard(step)
+            raise

@@ -219,8 +219,10 @@ def commit_step(job: Job, files: RankFiles, world_size: int, records: Any, fast_
     job.tier.commit(job.step, manifest.to_json())
     durable = time.perf_counter() - job.started + job.handle.timings.get("plan_ms", 0.0) / 1e3
     records.append(save_record(manifest, job.tier.name, job.handle, durable, files.codecs, files.io))
-    log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, durable after %.2f s "
+    ram = getattr(job.tier, "filesystem", None)  # (a memory tier: durable in RAM, not on a disk)
+    log.info("tiered: step %d committed%s: %s -> %s (%.1f%% saved), save() blocked %.1f ms, %s after %.2f s "
              "[%s]", job.step, "" if job.tier is fast_tier else f" on tier {job.tier.name!r}",
              format_size(job.handle.raw_bytes), format_size(files.stored_bytes), 100 * manifest.saved_fraction,
-             1e3 * job.handle.stall_s, time.perf_counter() - job.started, files.io)
+             1e3 * job.handle.stall_s, f"in host memory ({ram})" if ram else "durable", time.perf_counter() - job.started,
+             files.io)
     return manifest

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from tiered.config import LocalTierConfig, PosixTierConfig, S3TierConfig, TierConfig
+from tiered.config import LocalTierConfig, MemoryTierConfig, PosixTierConfig, S3TierConfig, TierConfig
 from tiered.tiers.base import DataReader, DataWriter, HostStagedReader, Tier, device_reader
 from tiered.tiers.local import LocalTier
+from tiered.tiers.memory import MemoryTier
 from tiered.tiers.posix import PosixTier
 
 
 def make_tier(config: TierConfig) -> Tier:
     """The tier a config entry describes (S3 tiers import boto3 here, on first use)."""
+    if isinstance(config, MemoryTierConfig):
+        return MemoryTier(config.name, config.path, config.direct_io, config.size, config.memory_only)
     if isinstance(config, LocalTierConfig):
         return LocalTier(config.name, config.path, config.direct_io)
     if isinstance(config, PosixTierConfig):
@@ -23,5 +26,5 @@ def make_tier(config: TierConfig) -> Tier:
     raise TypeError(f"unknown tier config {type(config).__name__}")
 
 
-__all__ = ["DataReader", "DataWriter", "HostStagedReader", "LocalTier", "PosixTier", "Tier",
+__all__ = ["DataReader", "DataWriter", "HostStagedReader", "LocalTier", "MemoryTier", "PosixTier", "Tier",
            "device_reader", "make_tier"]

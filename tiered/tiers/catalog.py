@@ -34,8 +34,10 @@ class TierCatalog:
     def __init__(self, config: Config):
         self.config = config
         cfg = config.fast_tier
-        self.fast: LocalTier = LocalTier(cfg.name, cfg.path, cfg.direct_io)
-        """The node-local tier every save is written to first."""
+        fast = make_tier(cfg)
+        assert isinstance(fast, LocalTier)
+        self.fast: LocalTier = fast
+        """The node-local tier every save is written to first (a memory tier is one too)."""
         self._tiers: dict[str, Tier] = {cfg.name: self.fast}
         self._lock = threading.Lock()
 

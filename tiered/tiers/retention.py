@@ -15,7 +15,9 @@ from typing import Any, Callable
 
 from tiered.errors import TieredError
 from tiered.policy import Retention, eviction_reasons
+from tiered.tiers.catalog import summarize
 from tiered.tiers.leases import held_steps
+from tiered.units import format_size
 
 log = logging.getLogger("tiered")
 
@@ -101,3 +103,30 @@ def reclaim_debris_in_background(tier: Any) -> threading.Event:
 
     threading.Thread(target=run, name="tiered-reclaim", daemon=True).start()
     return done
+
+
+def make_room(config: Any, get_tier: Callable[[str], Any], tier: Any, need: int) -> None:
+    """Fit `need` more bytes into `tier`'s size budget (a memory tier's): delete its oldest steps
+    that a slower tier holds committed, never the newest, never one in use, until they fit.
+    TieredError, saying what the tier holds, where they cannot."""
+    over = tier.used_bytes() + need - tier.size
+    if over <= 0:
+        return
+    names = [t.name for t in config.tiers]
+    below = [get_tier(n) for n in names[names.index(tier.name) + 1:]]
+    held, steps = held_steps(tier), tier.steps()
+    for step in steps[:-1]:
+        if step in held or not any(t.has_step(step) for t in below):
+            continue
+        freed = tier.step_bytes(step)
+        tier.delete(step)
+        log.info("tiered: deleted step %d from tier %r: its size budget (%s) needed %s more for the next step, "
+                 "and tier %r holds it", step, tier.name, format_size(tier.size), format_size(over),
+                 next(t.name for t in below if t.has_step(step)))
+        over -= freed
+        if over <= 0:
+            return
+    raise TieredError(f"tier {tier.name!r} ({tier.root}) holds {format_size(tier.used_bytes())} of its "
+                      f"{format_size(tier.size)} and the step may need {format_size(need)}: none of its steps "
+                      f"{summarize(steps)} can make room (the newest stays; the others are in use or on no slower "
+                      "tier yet)")
