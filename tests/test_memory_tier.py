@@ -99,3 +99,23 @@ def test_a_full_memory_tier_with_nothing_below_to_make_room_fails_the_save_or_pa
             handle.wait()
             assert handle.tier == "shared" and engine.steps("shared") == [3]
         assert not list((small_fs / "mem").glob(".step_*"))
+
+
+def test_memory_above_nvme_above_shared_migrates_down_and_restores_when_ram_is_gone(small_fs, tmp_path):
+    """memory -> local -> shared: every step reaches the slower tiers; with the memory tier wiped
+    (the node rebooted), the newest step restores from local NVMe, bit-exact."""
+    import shutil
+
+    cfg = {"chunk_size": "1MiB", "migration": "in_process", "tiers": [
+        memory(small_fs / "mem", keep_last=1),
+        {"name": "nvme", "kind": "local", "path": str(tmp_path / "nvme"), "codec": "none", "keep_last": 2},
+        {"name": "shared", "kind": "posix", "path": str(tmp_path / "shared"), "codec": "zstd"}]}
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in (1, 2, 3):
+            engine.save(step, state(step)).wait()
+        engine.wait_migrated(timeout=60)
+        assert engine.steps("mem") == [3] and engine.steps("nvme") == [2, 3] and engine.steps("shared") == [1, 2, 3]
+    shutil.rmtree(small_fs / "mem")
+    with tiered.Engine.from_config(cfg) as engine:
+        assert engine.steps("mem") == [] and engine.latest_step() == 3
+        assert torch.equal(engine.load()["w"], state(3)["w"])
