@@ -131,6 +131,9 @@ class LocalTier:
         if not is_real_dir(d):
             raise FormatError(f"{d}: not a directory of this tier (a symbolic link?): refused")
         with self._lock:
+            if len(self._marks) > 16:  # (steps committed since, whose committer removed every mark)
+                for done in [s for s in self._marks if s != step and self.has_step(s)]:
+                    del self._marks[done]
             mark = self._marks.get(step)
             if mark is None:
                 mark = self._marks[step] = d / f"{_MARK}{new_writer_id()}"
