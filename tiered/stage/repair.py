@@ -65,15 +65,22 @@ class ChunkRepair:
                 self._readers[tier.name] = tier.open_data_reader(self.step, index.data_file, device=False)
         return self._indexes[tier.name]
 
+    def _same_tensor(self, tier: Any, rec: TensorRecord) -> TensorRecord | None:
+        """`rec`'s tensor as `tier`'s copy of the step stores it, where its chunks cover the same
+        bytes (same dtype, shape and chunk count); None otherwise."""
+        records = self._records(tier)
+        other = records.get(rec.name) if records else None
+        if other is None or other.dtype != rec.dtype or other.shape != rec.shape or len(other.chunks) != len(rec.chunks):
+            return None
+        return other
+
     def __call__(self, rec: TensorRecord, j: int, why: str) -> np.ndarray:
         tried = []
         with self._lock:
             for tier in self.tiers:
                 tried.append(tier.name)
-                records = self._records(tier)
-                other = records.get(rec.name) if records else None
-                if other is None or other.dtype != rec.dtype or other.shape != rec.shape \
-                        or len(other.chunks) != len(rec.chunks):
+                other = self._same_tensor(tier, rec)
+                if other is None:
                     continue
                 if not get_codec_class(other.codec.name).cpu_capable:
                     continue  # a GPU-only copy: try a portable tier further down
@@ -93,10 +100,8 @@ class ChunkRepair:
         decoded from a tier that holds it intact (`__call__`) and encoded here on the CPU."""
         with self._lock:
             for tier in self.tiers:
-                records = self._records(tier)
-                other = records.get(rec.name) if records else None
-                if other is None or other.codec != spec or other.dtype != rec.dtype or other.shape != rec.shape \
-                        or len(other.chunks) != len(rec.chunks):
+                other = self._same_tensor(tier, rec)
+                if other is None or other.codec != spec:
                     continue
                 c = other.chunks[j]
                 reader = self._readers[tier.name]

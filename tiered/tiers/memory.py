@@ -42,8 +42,6 @@ def filesystem_of(path: Path) -> tuple[str, int]:
 
 
 class MemoryTier(LocalTier):
-    reads_into_gpu = True
-
     def __init__(self, name: str, root: Path, direct_io: str = "auto", size: int | None = None,
                  memory_only: bool = True):
         super().__init__(name, root, direct_io)

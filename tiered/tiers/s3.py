@@ -165,13 +165,17 @@ class S3Tier:
         """Delete the objects under `prefix` and abort its unfinished multipart uploads."""
         keys = self._list(prefix)
         try:
-            for i in range(0, len(keys), 1000):
-                self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            self._delete_keys(keys)
             self._abort_uploads(prefix)
         except Exception as exc:  # noqa: BLE001
             raise client_error(exc, f"s3://{self.bucket}/{prefix}: cannot remove {what}") from None
         return len(keys)
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        """Delete objects, 1,000 a request (S3's limit); boto3's errors are the caller's to word."""
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
 
     def _abort_uploads(self, prefix: str, only_key: str | None = None) -> int:
         """Abort the unfinished multipart uploads under `prefix` (of `only_key` alone, if given);
@@ -316,9 +320,7 @@ class S3Tier:
         keep = (self._key(step, MANIFEST_NAME), self._key(step, folder) + "/")
         stale = [k for k in self._list(self._key(step)) if k != keep[0] and not k.startswith(keep[1])]
         try:
-            for i in range(0, len(stale), 1000):
-                self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": k} for k in stale[i:i + 1000]], "Quiet": True})
+            self._delete_keys(stale)
         except Exception as exc:  # noqa: BLE001 - the new copy is committed; debris is reclaimed later
             log.warning("tiered: step %d: the replaced copy's objects stay for `tiered gc`: %s", step,
                         client_error(exc, "delete"))
@@ -350,9 +352,7 @@ class S3Tier:
             done.append(f"{self.url(self._key(step, folder))}: {what}, {'beside the commit' if committed else 'uncommitted'}")
             if not dry_run:
                 try:
-                    for i in range(0, len(objs), 1000):
-                        self.client.delete_objects(Bucket=self.bucket, Delete={
-                            "Objects": [{"Key": o["Key"]} for o in objs[i:i + 1000]], "Quiet": True})
+                    self._delete_keys([o["Key"] for o in objs])
                 except Exception as exc:  # noqa: BLE001
                     raise client_error(exc, f"{self.root}: cannot remove debris") from None
         try:  # multipart uploads of writers that stopped (a live writer aborts its own at its commit)
