@@ -97,6 +97,10 @@ class MemoryTierConfig(LocalTierConfig):
     of its filesystem, measured when the tier is opened."""
     memory_only: bool = True
     """Refuse a path whose filesystem is not memory-backed (tmpfs, ramfs)."""
+    replicas: int = 0
+    """Under torch.distributed across nodes: each rank's committed step is also kept in the memory
+    tier of this many ranks on other nodes (tiered.distributed.replicas), for a restore after a node
+    loss (tiered.distributed.peers)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,6 +386,7 @@ def _parse_codecs(data: object, source: str) -> ZstdSettings:
 
 _TIER_KINDS = ("memory", "local", "posix", "s3")
 MEMORY_DEFAULT_PATH = "/dev/shm/tiered"
+MAX_REPLICAS = 7
 
 
 def _parse_tier(data: object, source: str, where: str) -> TierConfig:
@@ -425,8 +430,12 @@ def _parse_tier(data: object, source: str, where: str) -> TierConfig:
             size = None if f.get("size", None) is None else f.size("size", 0)
             if size is not None and size < 1 << 20:
                 raise f.error("size", f"must be at least 1MiB (or left out: half of the memory filesystem), got {size}")
+            replicas = f.typed("replicas", int, 0)
+            if not 0 <= replicas <= MAX_REPLICAS:
+                raise f.error("replicas", f"must be 0 (none) to {MAX_REPLICAS}: the ranks on other nodes keeping a copy "
+                                          f"of each rank's step, got {replicas}")
             tier: TierConfig = MemoryTierConfig(path=Path(path).expanduser(), direct_io=_direct_io(f), size=size,
-                                    memory_only=f.typed("memory_only", bool, True), **common)
+                                    memory_only=f.typed("memory_only", bool, True), replicas=replicas, **common)
         elif kind == "local":
             tier = LocalTierConfig(path=Path(path).expanduser(), direct_io=_direct_io(f), **common)
         else:

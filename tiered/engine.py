@@ -70,16 +70,14 @@ class Engine:
             self.saves.on_commit(self._migrator.submit)
         # A script ending right after save() keeps that checkpoint: threading's exit hooks run before
         # concurrent.futures shuts its pools (atexit where they are missing).
-        hook = getattr(threading, "_register_atexit", atexit.register)
-        hook(_finish_at_exit, weakref.ref(self))
+        getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit, weakref.ref(self))
 
     @classmethod
     def from_config(cls, source: ConfigInput = None) -> "Engine":
         """An engine from a YAML path, a dict, or None for the embedded default (configs/local.yaml)."""
         return cls(load_config(source))
 
-    def __enter__(self) -> "Engine":
-        return self
+    __enter__ = lambda self: self  # noqa: E731
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(raise_errors=exc_type is None)
@@ -90,9 +88,7 @@ class Engine:
         """The rank whose files this engine writes and reads (0 without torch.distributed)."""
         return self.saves.rank
 
-    @property
-    def world_size(self) -> int:
-        return self.saves.world_size
+    world_size = property(lambda self: self.saves.world_size)
 
     @property
     def gpu_codecs(self) -> bool:
@@ -101,8 +97,7 @@ class Engine:
 
     @property
     def fast_codec(self) -> str:
-        """The codec the next save uses for GPU tensors on the fast tier (CPU tensors get zstd
-        where this is ans)."""
+        """The codec the next save uses for GPU tensors on the fast tier (CPU ones: zstd for ans)."""
         return self.saves.codec.codec
 
     def describe(self) -> str:
@@ -120,8 +115,7 @@ class Engine:
         return self.catalog.get(name)
 
     def committed(self, names: Sequence[str] | None = None) -> dict[str, list[int]]:
-        """Committed steps on each tier (or on the tiers `names`), by tier name. A tier that
-        cannot be listed now (S3 unreachable, say) is logged and left out."""
+        """Committed steps on each tier (or on `names`); a tier that cannot be listed now is logged, left out."""
         return {n: s for n, s in self.catalog.committed(names).items() if s is not None}
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -187,13 +181,11 @@ class Engine:
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
-        """Wait until the host staging memory wanted so far is pinned and the GPUs' save kernels are
-        compiled (`reserve`'s start-up work; `timeout`: seconds for both); True once both are."""
+        """Wait until `reserve`'s host memory is pinned and the save kernels compiled (True); `timeout`: s for both."""
         return self.workers.wait_ready(timeout)
 
     def order_updates(self) -> None:
-        """Order the current CUDA streams after every guarded save's reads of the state (what a
-        guarded optimizer does before each step)."""
+        """Order the current CUDA streams after every guarded save's reads (what a guarded optimizer step does)."""
         self.saves.order_updates()
 
     def _distributed(self) -> bool:
@@ -221,6 +213,11 @@ class Engine:
         self.wait()
         if self._migrator is not None:
             self._migrator.wait(timeout)
+
+    def wait_replicated(self, timeout: float | None = None) -> None:
+        """Wait until this rank's newest step is kept by the ranks keeping its replicas (memory tier `replicas`)."""
+        if self._distributed():
+            self._dist.wait_replicated(timeout)
 
     def close(self, raise_errors: bool = True) -> None:
         """Wait for in-flight saves and queued migrations, stop the threads, free staging memory."""
@@ -251,29 +248,32 @@ class Engine:
         created on the device they were saved from, or the CPU. With `strict`, a tensor in
         `state_dict` that the checkpoint lacks is an error.
 
-        Reads from `tier`, default the fastest tier holding the step. A chunk that fails its
-        checksum there, or a missing file, is read from the next slower tier holding the step
-        instead (logged); a tier whose copy cannot be opened at all is skipped the same way.
-        """
+        Reads from `tier`, default the fastest holding the step; a damaged chunk, a missing file or
+        a copy that cannot be opened is read from the next slower tier instead (logged). Under
+        torch.distributed, from each node's tiers and peers first (tiered.distributed.peers)."""
         self._check_open()
         self.saves.raise_failure()
         t0 = time.perf_counter()
         with self._api_lock, tree.collector_paused():  # (metadata, indexes, plans: no cycles; see collector_paused)
             if self._distributed():
-                from tiered.distributed.saver import agree_on_step
-
-                step = agree_on_step(step, lambda: self.catalog.restore_order(None, tier)[0])
-            step, order = self.catalog.restore_order(step, tier)
-            if saved_through_dcp(order, step):
-                from tiered.distributed.saver import restore_dcp
-
-                restore_dcp(self.restorer, state_dict, step, order, strict=strict)
-                source = order[0].name
+                step = self._dist.restore(self.restorer, state_dict, step, tier, strict=strict)
+                source = "the nodes' tiers"
             else:
-                loaded, source = self.restorer.load(step, state_dict, strict=strict, device=None, order=order)
-                tree.merge_into(state_dict, loaded)
-        log.info("tiered: restored step %d from tier %r in %.2f s", step, source, time.perf_counter() - t0)
+                step, source = self._restore_here(state_dict, step, tier, strict)
+        log.info("tiered: restored step %d from %s in %.2f s", step, source, time.perf_counter() - t0)
         return step
+
+    def _restore_here(self, state_dict: Any, step: int | None, tier: str | None, strict: bool) -> tuple[int, str]:
+        """`restore` in one process: (the step, where it was read)."""
+        step, order = self.catalog.restore_order(step, tier)
+        if saved_through_dcp(order, step):
+            from tiered.distributed.peers import restore_dcp
+
+            restore_dcp(self.restorer, state_dict, step, order, strict=strict)
+            return step, f"tier {order[0].name!r}"
+        loaded, source = self.restorer.load(step, state_dict, strict=strict, device=None, order=order)
+        tree.merge_into(state_dict, loaded)
+        return step, f"tier {source!r}"
 
     def load(self, step: int | None = None, *, device: str | torch.device | None = None,
              tier: str | None = None) -> Any:

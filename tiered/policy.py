@@ -129,3 +129,71 @@ def latest_restorable(committed: Mapping[str, set[int]]) -> int | None:
     """The newest step committed on any tier."""
     steps = set().union(*committed.values()) if committed else set()
     return max(steps) if steps else None
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one rank holds of the job's steps on its node (what it reports at a restore)."""
+
+    own: Mapping[int, tuple[int, tuple[int, ...]]]
+    """Steps whose files of this rank are on its node's tiers (or that it stored nothing of) ->
+    (the world size that saved the step, the ranks the manifest lists)."""
+    replicas: Mapping[int, Mapping[int, tuple[int, tuple[int, ...]]]]
+    """Steps -> {rank whose replica it keeps: (world size, listed ranks)}."""
+    slow: tuple[int, ...] = ()
+    """Steps committed on the tiers every node shares (rank 0 reports them)."""
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    step: int | None
+    """The step to restore; None where no tier holds one."""
+    sends: Mapping[int, tuple[int, ...]]
+    """Rank lacking its files -> the ranks keeping its replica, the nearest first."""
+    slow: tuple[int, ...]
+    """Ranks lacking their files that no peer keeps: read from the slower tiers."""
+    resharded: bool = False
+    """The step was saved at another world size: each rank reads what its shards need from the
+    tiers holding the whole step (no peer sends)."""
+
+
+def peer_restore_plan(reports: Sequence[Holdings], step: int | None = None,
+                      holders_of: Mapping[int, Sequence[int]] | None = None) -> PeerPlan:
+    """Which step a job restores and who sends what, from every rank's holdings: the newest step
+    that every rank it lists can have, from its own node, from a rank keeping its replica, or
+    from the shared tiers (or `step`, where asked). `holders_of[r]`: the ranks that keep rank r's
+    replicas in order of preference (default: by rank)."""
+    world = len(reports)
+    slow_steps = set().union(*(r.slow for r in reports))
+    known: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for r in reports:
+        for s, info in r.own.items():
+            known.setdefault(s, info)
+        for s, kept in r.replicas.items():
+            for info in kept.values():
+                known.setdefault(s, info)
+
+    def keepers(s: int, rank: int) -> tuple[int, ...]:
+        order = list(holders_of.get(rank, ())) if holders_of else []
+        order += [h for h in range(world) if h not in order]
+        return tuple(h for h in order if rank in reports[h].replicas.get(s, {}))
+
+    def complete(s: int) -> bool:
+        if s in slow_steps:
+            return True
+        saved_world, listed = known[s]
+        return saved_world == world and all(s in reports[r].own or keepers(s, r) for r in listed)
+
+    if step is None:
+        candidates = sorted(set(known) | slow_steps, reverse=True)
+        step = next((s for s in candidates if complete(s)), None)
+        if step is None:
+            return PeerPlan(None, {}, ())
+    if step not in known:
+        return PeerPlan(step, {}, ())
+    saved_world, listed = known[step]
+    if saved_world != world:
+        return PeerPlan(step, {}, (), resharded=True)
+    lacking = [r for r in listed if step not in reports[r].own]
+    sends = {r: keepers(step, r) for r in lacking if keepers(step, r)}
+    return PeerPlan(step, sends, tuple(r for r in lacking if r not in sends))

@@ -56,6 +56,9 @@ class StoredItem:
     tensor: int
     files: RankSummary | None = None
     """On one result per rank (its first): that rank's files, for the manifest."""
+    copies: tuple[tuple[int, int], ...] = ()
+    """Other (rank, tensor) holding the same item: a replicated item's copy on each other node
+    (tiered.distributed.node_plan)."""
 
 
 
@@ -73,7 +76,7 @@ def commit_step(tier: Any, step: int, metadata: Metadata, results: Sequence[Writ
     """Write `metadata` (with where each item is stored) and the manifest listing every rank
     that stored anything on `tier` (the coordinator's fast tier): the commit. Every rank's files
     must be durable already."""
-    locations = {r.index: r.storage_data for r in results}
+    locations = locations_of(results)
     files = sorted((r.storage_data.files for r in results if r.storage_data.files is not None),
                    key=lambda f: f.entry.rank)
     if not files:
@@ -88,6 +91,19 @@ def commit_step(tier: Any, step: int, metadata: Metadata, results: Sequence[Writ
     log.info("tiered: step %d committed by %d of %d ranks: %s -> %s (%.1f%% saved)", step, len(files), world_size,
              format_size(manifest.raw_bytes), format_size(manifest.stored_bytes), 100 * manifest.saved_fraction)
     return manifest
+
+
+def locations_of(results: Sequence[WriteResult]) -> dict[MetadataIndex, StoredItem]:
+    """Where each item is stored: its lowest rank's copy, with the others as its `copies`."""
+    out: dict[MetadataIndex, StoredItem] = {}
+    for r in sorted(results, key=lambda r: r.storage_data.rank):
+        s: StoredItem = r.storage_data
+        first = out.get(r.index)
+        if first is None:
+            out[r.index] = StoredItem(s.rank, s.tensor)
+        elif first.rank != s.rank:
+            out[r.index] = StoredItem(first.rank, first.tensor, copies=first.copies + ((s.rank, s.tensor),))
+    return out
 
 
 # --- the commit across nodes (through the c10d store) ----------------------------------------
@@ -195,12 +211,13 @@ def metadata_to_json(md: Metadata, locations: dict[MetadataIndex, StoredItem]) -
             raise TieredError(f"{fqn}: unknown DCP storage metadata {type(meta).__name__}")
     items = [[idx.fqn, None if idx.offset is None else list(idx.offset), idx.index, loc.rank, loc.tensor]
              for idx, loc in locations.items()]
+    copies = [[i, rank, tensor] for i, loc in enumerate(locations.values()) for rank, tensor in loc.copies]
     sm = md.storage_meta
     skeleton, leaves = tree.flatten(md.planner_data)
     if leaves:
         raise TieredError("the planner's data holds tensors; tiered stores planner data as plain JSON only")
     doc = {"format": _KIND, "version": 1, "dcp_version": md.version, "state_dict_metadata": entries,
-           "items": items, "planner_data": skeleton,
+           "items": items, "planner_data": skeleton, **({"copies": copies} if copies else {}),
            "storage_meta": None if sm is None else {
                "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
                "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)}}
@@ -260,6 +277,15 @@ def metadata_from_json(raw: bytes, source: str) -> Metadata:
             raise FormatError(f"{source}: bad item {str(it)[:120]}")
         offset = None if it[1] is None else torch.Size(ints(it[1], f"{it[0]}: offset"))
         locations[MetadataIndex(it[0], offset, it[2])] = StoredItem(it[3], it[4])
+    copies = doc.get("copies", [])
+    if type(copies) is not list:
+        raise FormatError(f"{source}: copies is not a list")
+    keys = list(locations)
+    for c in copies:
+        if type(c) is not list or len(c) != 3 or any(type(v) is not int or v < 0 for v in c) or c[0] >= len(keys):
+            raise FormatError(f"{source}: bad copy {str(c)[:120]} (item number, rank, tensor)")
+        first = locations[keys[c[0]]]
+        locations[keys[c[0]]] = StoredItem(first.rank, first.tensor, copies=first.copies + ((c[1], c[2]),))
     try:
         planner_data = tree.decode(doc.get("planner_data"), lambda i: None)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:

@@ -33,32 +33,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import queue
 import threading
 import time
 from datetime import timedelta
-import warnings
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tiered import threads
 from tiered.distributed.commit import (RankSummary, StoredItem, adopt_commit, commit_step, post_commit,
                                        post_failure, results_of, store, wait_for_keys)
+from tiered.distributed.node_plan import NodeCopiesPlanner
+from tiered.distributed.nodes import gather_nodes, replicas_asked, replicas_to_keep
+from tiered.distributed.replicas import Replicator
 from tiered.distributed.reuse import PlanReuse
 from tiered.distributed.roll import collective, doing, last_doing
-from tiered.distributed.storage import SafeLoadPlanner, StepReader, StepWriter
+from tiered.distributed.storage import StepWriter
 from tiered.errors import BackgroundSaveError, TieredError
 from tiered.format import tree
 from tiered.format.manifest import Manifest, RankEntry
 from tiered.observe.records import save_record
 from tiered.save.handle import SaveHandle
-from tiered.tiers.leases import hold
 
 log = logging.getLogger("tiered")
 
@@ -73,6 +74,13 @@ class DistributedSaver:
         saves.bind_rank(self.rank, self.world)
         self._group = cpu_group(self.saves.config.distributed_timeout)
         """Where the planning's collectives run: None for the default group, which does CPU ones."""
+        self.nodes, asked = gather_nodes(self._group, replicas_asked(saves.config))
+        """Which ranks share a node: a replicated item is stored once a node (NodeCopiesPlanner)."""
+        self.replicas = replicas_to_keep(asked, self.nodes, self.rank)
+        """Ranks on other nodes keeping each rank's steps (the memory tier's `replicas`, as every rank can)."""
+        self._replicator = Replicator(saves, self.nodes.holders(self.rank, self.replicas),
+                                      self.nodes.sources(self.rank, self.replicas), self._job_id(),
+                                      saves.config.distributed_timeout) if self.replicas else None
         self._told_default = False
         self._reuse = PlanReuse()
         """The last save's plan, reused while the state keeps its structure."""
@@ -80,6 +88,41 @@ class DistributedSaver:
         self._lock = threading.Lock()
         self._jobs: "queue.Queue[Any]" = queue.Queue()
         self._thread = threads.start(self._loop, name="tiered-commit")
+
+    @property
+    def plan_group(self) -> Any:
+        """The group of the engine's CPU collectives (None: the default group)."""
+        return self._group
+
+    def wait_replicated(self, timeout: float | None = None) -> None:
+        """Wait until this rank's newest committed step is kept by the ranks keeping its replicas."""
+        self.wait()
+        if self._replicator is None:
+            return
+        missing = self._replicator.wait(timeout)
+        if missing:
+            raise TieredError(f"rank {self.rank}: ranks {missing} did not say they keep its replica of step "
+                              f"{max(self._replicator.sent)} (see their logs)" if self._replicator.sent else
+                              f"rank {self.rank}: its replicas were not sent within {timeout} s")
+
+    def replica_group(self) -> Any:
+        """The group replicas travel on (the replicator's own)."""
+        if self._replicator is None:
+            raise TieredError("no replicas are kept (the memory tier's replicas: 0)")
+        return self._replicator.group
+
+    def _job_id(self) -> str:
+        """One id of this engine's job, the same on every rank (collective)."""
+        box = [os.urandom(8).hex() if self.rank == 0 else None]
+        collective("agreeing on the replicas' key names", lambda: dist.broadcast_object_list(box, src=0, group=self._group))
+        return str(box[0])
+
+    def restore(self, restorer: Any, state_dict: Any, step: int | None, tier: str | None, *, strict: bool) -> int:
+        """`Engine.restore` on every rank (tiered.distributed.peers)."""
+        from tiered.distributed.peers import restore
+
+        self.wait()
+        return restore(self, restorer, state_dict, step, tier, strict=strict)
 
     # --- save ------------------------------------------------------------------------------
     def save(self, step: int, state_dict: Any) -> SaveHandle:
@@ -192,7 +235,7 @@ class DistributedSaver:
             if coordinator:
                 metadata = dataclasses.replace(metadata, storage_meta=writer.storage_meta())
             return final, metadata, self._reuse.resolver(leaves), self._reuse.token
-        planner = DefaultSavePlanner()
+        planner = NodeCopiesPlanner(self.nodes.of_rank)
         planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
         local = planner.create_local_plan()
         gathered = [None] * self.world if coordinator else None
@@ -245,6 +288,8 @@ class DistributedSaver:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join()
+        if self._replicator is not None:
+            self._replicator.close()
 
     def _loop(self) -> None:
         while True:
@@ -272,6 +317,8 @@ class DistributedSaver:
                 self.saves.records.append(save_record(manifest, self.saves.tier.name, handle,
                                                       time.perf_counter() - t0, [], "dcp"))
             self.saves.notify_committed(step)
+            if self._replicator is not None:
+                self._replicator.committed(step)
             handle.persisted.set_result(manifest)
 
     def _commit(self, step: int, items: list[Any], rank_handle: Any, metadata: Any, save_id: str) -> Manifest:
@@ -377,58 +424,3 @@ def _decode_results(posted: list[Any]) -> list[WriteResult]:
         out.append(WriteResult(index=MetadataIndex(fqn, None if offset is None else torch.Size(offset), idx),
                                size_in_bytes=size, storage_data=StoredItem(rank, tensor, files)))
     return out
-
-
-def agree_on_step(step: int | None, find: Any) -> int:
-    """The step every rank restores: `step`, or the newest one rank 0 finds."""
-    box = [find() if step is None and dist.get_rank() == 0 else step]
-    collective("a restore: agreeing on the step (rank 0 picks it)", lambda: dist.broadcast_object_list(box, src=0))
-    if box[0] is None:
-        raise TieredError("no committed checkpoint to restore (rank 0 found none)")
-    return box[0]
-
-
-def restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *, strict: bool) -> None:
-    """Load DCP-saved `step` into `state_dict` in place through `restorer` (a Restorer),
-    resharding as DCP's planner decides, from the tiers `order` (those holding the step, fastest
-    first, as TierCatalog.restore_order found them).
-
-    Each rank plans and reads its own part alone (`no_dist`): DCP's default load planning changes
-    no rank's plan, so gathering every rank's plan on rank 0 and scattering it back, pickled (over
-    a second of a 2-rank restore of 10,480 tensors a rank on the CPU machine, and growing with the
-    ranks on rank 0), only cost time. One small all-gather after it keeps DCP's promise that a
-    restore fails on every rank or on none: a rank that loaded its part raises too where another
-    could not, naming that rank and why."""
-    with hold(order, step):  # retention leaves the step on these tiers while it is read
-        _restore_dcp(restorer, state_dict, step, order, strict=strict)
-
-
-def _restore_dcp(restorer: Any, state_dict: Any, step: int, order: list[Any], *, strict: bool) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    reader = StepReader(restorer, step)
-    reader.sources = order
-    failure: BaseException | None = None
-    doing(f"the restore of step {step}: reading its part")
-    try:
-        with warnings.catch_warnings():  # (DCP warns that it assumes a single process, which is meant here)
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict),
-                     no_dist=True)
-    except CheckpointException as exc:  # (a BaseException: DCP wraps this rank's error, as "rank 0" of its own)
-        failure = next((f[0] if isinstance(f, tuple) else f for f in exc.failures.values()), exc)
-    except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then this rank raises it
-        failure = exc
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        said: list[Any] = [None] * dist.get_world_size()
-        mine = None if failure is None else f"{type(failure).__name__}: {failure}"[:2000]
-        collective(f"the restore of step {step}: agreeing on its outcome", lambda: dist.all_gather_object(said, mine))
-        others = [(rank, why) for rank, why in enumerate(said) if why is not None and rank != dist.get_rank()]
-        if failure is None and others:
-            rank, why = others[0]
-            raise TieredError(f"step {step}: the restore failed on rank{'s' if len(others) > 1 else ''} "
-                              f"{', '.join(str(r) for r, _ in others)} (rank {rank}: {why}); this rank's state is "
-                              "loaded, but the ranks would train from different steps")
-    if failure is not None:
-        raise failure

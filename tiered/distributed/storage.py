@@ -262,6 +262,11 @@ class StepReader(StorageReader):
         self._manifest: Manifest | None = None
         self._manifests: dict[str, Manifest] = {}
         self.metadata: Metadata | None = None
+        self.node_ranks: set[int] | None = None
+        """The ranks on this rank's node, where known: of an item stored on several nodes
+        (tiered.distributed.node_plan), the copy of one of them is read. Otherwise the copy whose
+        rank's files the fastest tier holds."""
+        self._here: dict[int, bool] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
@@ -332,6 +337,9 @@ class StepReader(StorageReader):
             loc = storage.get(item.storage_index)
             if loc is None:
                 raise FormatError(f"step {self.step}: the metadata has no storage for {item_name(item.storage_index)}")
+            if loc.copies and not self._near(loc.rank):
+                rank, tensor = next(((r, t) for r, t in loc.copies if self._near(r)), (loc.rank, loc.tensor))
+                loc = StoredItem(rank, tensor)
             by_rank.setdefault(loc.rank, []).append((item, loc))
         for rank, items in sorted(by_rank.items()):
             entry = self._manifest.entry(rank)
@@ -339,6 +347,18 @@ class StepReader(StorageReader):
                 raise FormatError(f"step {self.step}: items are stored by rank {rank}, which the manifest does not list")
             tier, index = self._rank_index(entry)
             _read_rank(self.restorer, self.step, tier, self.sources[self.sources.index(tier) + 1:], index, items, planner)
+
+    def _near(self, rank: int) -> bool:
+        """Whether `rank`'s files are on this node: by `node_ranks`, else by the fastest tier."""
+        if self.node_ranks is not None:
+            return rank in self.node_ranks
+        if rank not in self._here:
+            entry = self._manifest.entry(rank) if self._manifest is not None else None
+            try:
+                self._here[rank] = entry is not None and self.sources[0].file_size(self.step, entry.index_file) is not None
+            except (TieredError, OSError):
+                self._here[rank] = False
+        return self._here[rank]
 
     def _rank_index(self, entry: RankEntry) -> tuple[Any, RankIndex]:
         """The first tier (fastest first) holding the rank's index, and the index, checked

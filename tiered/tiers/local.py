@@ -180,6 +180,11 @@ class LocalTier:
         path = d / safe_name(name, str(d), "file name")
         return path.stat().st_size if is_regular(path) else None
 
+    def file_path(self, step: int, name: str) -> Path:
+        """Where this writer writes a file of `step` (its work directory while it writes the step alone)."""
+        d = self._files(step)
+        return d / safe_name(name, str(d), "file name")
+
     def open_data_writer(self, step: int, name: str, device: bool, size_hint: int | None = None) -> LocalDataWriter:
         d = self._files(step)
         return LocalDataWriter(d / safe_name(name, str(d), "data file"), self.direct_io, device)
@@ -213,6 +218,41 @@ class LocalTier:
         with self._lock:
             self._work.pop(step, None)
         fsync_dir(self.root)
+
+    def commit_rank(self, step: int, names: tuple[str, ...], manifest: bytes) -> None:
+        """Commit files of one rank of a distributed step (`names`, its index last) that this
+        writer built aside (`begin_step(step, replacing=True)`, beside the step's other files but
+        the manifest), on a node-local tier that may hold the step already: where it does not, the
+        copy becomes the step; where another writer committed the same manifest first (another rank
+        of this node), the files are linked into it, the index last (a reader finds a rank by its
+        index), never replacing one there."""
+        with self._lock:
+            work = self._work.get(step)
+        if work is None:
+            raise TieredError(f"step {step}: a rank's files to commit must be built aside first (begin_step)")
+        if not self.has_step(step):
+            try:
+                self.commit(step, manifest)
+                return
+            except TieredError:
+                if not self.has_step(step):
+                    raise
+        self._same_manifest(step, manifest)
+        d = self.step_dir(step)
+        try:
+            for name in names:
+                try:
+                    os.link(work / name, d / safe_name(name, str(d), "file name"))
+                except FileExistsError:
+                    log.info("tiered: %s: already there (another writer restored it), kept", d / name)
+                except OSError as exc:
+                    if exc.errno not in _LINKLESS:
+                        raise TieredError(f"{d}: cannot add {name} to step {step}: {exc.strerror}") from None
+                    if not (d / name).exists():
+                        os.rename(work / name, d / name)
+            fsync_dir(d)
+        finally:
+            self.discard(step)
 
     def _rename_into_place(self, step: int, work: Path, d: Path) -> None:
         for attempt in range(2):

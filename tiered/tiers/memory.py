@@ -9,13 +9,17 @@ tier on a disk would be neither as fast nor as volatile as its name says.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from tiered.errors import ConfigError
 from tiered.tiers.local import LocalTier
 
+log = logging.getLogger("tiered")
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+REPLICAS_DIR = ".replicas"
+"""Under a memory tier's root: the replicas it keeps of ranks on other nodes."""
 
 
 def filesystem_of(path: Path) -> tuple[str, int]:
@@ -66,6 +70,43 @@ class MemoryTier(LocalTier):
 
     def step_bytes(self, step: int) -> int:
         return _allocated(self.step_dir(step))
+
+    # --- replicas of other nodes' ranks (tiered.distributed.replicas) ----------------------------
+    def replica_tier(self, source: int) -> LocalTier:
+        """The tier under this one holding rank `source`'s replicas, one committed step each:
+        ``<root>/.replicas/rank_00002/step_.../``. Its bytes count in this tier's size budget."""
+        return LocalTier(f"{self.name}-replicas-of-rank-{source}", self.root / REPLICAS_DIR / f"rank_{source:05d}",
+                         direct_io="off")
+
+    def replica_sources(self) -> list[int]:
+        """The ranks whose replicas this tier holds a directory for."""
+        try:
+            names = sorted(e.name for e in os.scandir(self.root / REPLICAS_DIR) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+        return [int(n[5:]) for n in names if n.startswith("rank_") and n[5:].isdigit()]
+
+    def reclaim_debris(self, dry_run: bool = False) -> list[str]:
+        """`LocalTier.reclaim_debris` here and in each replica tier (a replica half received)."""
+        done = super().reclaim_debris(dry_run)
+        for source in self.replica_sources():
+            done += self.replica_tier(source).reclaim_debris(dry_run)
+        return done
+
+    def shed_replicas(self, need: int) -> int:
+        """Delete the oldest replicas held here (never a source's newest) until `need` bytes are
+        freed or none is left to go; returns the bytes freed."""
+        tiers = [self.replica_tier(s) for s in self.replica_sources()]
+        freed = 0
+        for step, i in sorted((step, i) for i, t in enumerate(tiers) for step in t.steps()[:-1]):
+            if freed >= need:
+                break
+            size = _allocated(tiers[i].step_dir(step))
+            tiers[i].delete(step)
+            freed += size
+            log.info("tiered: deleted rank %s's replica of step %d from tier %r to make room", tiers[i].root.name[5:],
+                     step, self.name)
+        return freed
 
 
 def _allocated(path: Path) -> int:

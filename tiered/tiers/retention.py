@@ -126,6 +126,9 @@ def make_room(config: Any, get_tier: Callable[[str], Any], tier: Any, need: int)
         over -= freed
         if over <= 0:
             return
+    shed = getattr(tier, "shed_replicas", None)  # (a memory tier's replicas of other nodes' ranks go next)
+    if shed is not None and shed(over) >= over:
+        return
     raise TieredError(f"tier {tier.name!r} ({tier.root}) holds {format_size(tier.used_bytes())} of its "
                       f"{format_size(tier.size)} and the step may need {format_size(need)}: none of its steps "
                       f"{summarize(steps)} can make room (the newest stays; the others are in use or on no slower "
