@@ -177,3 +177,24 @@ def test_a_replica_whose_sender_is_lost_mid_way_is_never_committed(tmp_path):
     assert outcome != "received" and "Error" in outcome and "corrupted" not in outcome, outcome
     tier = MemoryTier("mem", root, size=64 << 20, memory_only=False).replica_tier(0)
     assert tier.steps() == [] and not list(tier.root.glob(".step_*"))
+
+
+@pytest.mark.parametrize("tier,error", [
+    ({"kind": "memory", "replicas": 8}, "replicas: must be 0 \\(none\\) to 7"),
+    ({"kind": "memory", "replicas": -1}, "replicas: must be 0"),
+    ({"kind": "memory", "replicas": "two"}, "replicas: expected an integer"),
+    ({"kind": "local", "path": "/tmp/x", "replicas": 1}, "replicas: unknown field"),
+])
+def test_replicas_in_the_config_are_checked(tier, error):
+    from tiered.config import load_config
+    from tiered.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        load_config({"version": 1, "tiers": [{"name": "fast", **tier}]})
+
+
+def test_replicas_are_read_from_the_memory_tier():
+    from tiered.config import load_config
+
+    config = load_config({"version": 1, "tiers": [{"name": "mem", "kind": "memory", "replicas": 2}]})
+    assert config.fast_tier.replicas == 2
