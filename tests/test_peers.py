@@ -142,3 +142,29 @@ def test_a_damaged_replica_is_asked_of_the_next_node_keeping_one(tmp_path):
         assert "rank 2's files came from rank 1's replica" in text, text[-3000:]
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_tiered_restore_under_torchrun_brings_a_replaced_nodes_files_from_its_peers(cluster):
+    configs, memory, tmp = cluster
+    shards = str(tmp / "shards")
+    job(configs, "train", "--steps", "4", "--die-after", "4", "--shards", shards)
+    shutil.rmtree(memory[1])
+    rdzv = Rendezvous()
+    procs = []
+    for cfg in configs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=2", *rdzv.args(),
+               "-m", "tiered.cli.restore", "--config", cfg]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "rank 0: step 4: its files are on this node (mem)" in outs[0], outs[0]
+    assert re.search(r"rank 2: step 4: its files came from rank 0's replica \(.*\), onto tier 'mem'", outs[1]), outs[1]
+    d = memory[1] / "step_000000000004"
+    assert sorted(p.name for p in d.glob("rank_*.index.json")) == ["rank_00002.index.json", "rank_00003.index.json"]
+    out = subprocess.run([sys.executable, "-m", "tiered.cli", "verify", "--config", configs[1], "--step", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ranks [2, 3] of 4 here" in out.stdout, out.stdout + out.stderr
+    outs = job(configs, "resume", "--steps", "5", "--shards", shards, "--expect", "4")
+    assert "came from" not in "\n".join(outs)  # (every rank's files were on its node)

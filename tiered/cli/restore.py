@@ -66,7 +66,11 @@ def restore_lock(tier: Any, step: int, quiet: bool) -> Iterator[None]:
 
 
 def cmd_restore(args: argparse.Namespace, catalog: TierCatalog) -> int:
+    from tiered.cli.peers import restore_from_peers, under_torchrun
     from tiered.migrate.migrator import migrate_step
+
+    if under_torchrun() and args.source is None and args.to is None and not args.verify_only:
+        return restore_from_peers(args, catalog)
 
     if args.source is not None:
         catalog.get(args.source)  # an unknown name: a usage error naming the tiers
@@ -170,6 +174,11 @@ deleted first. Concurrent restores of one step into one tier wait for each other
 script's `engine.restore(state)` then reads it from local disk. Chunks keep their codec, so a copy
 from a portable tier (zstd) restores on machines with or without a GPU.
 
+Under torchrun (one rank per training rank, each node with its config): each rank's files of
+the step are brought onto its node's first tier from the ranks on other nodes that keep its
+replicas (a memory tier's `replicas`), checked chunk by chunk; what no peer keeps is left to the
+job's restore, which reads it from the shared tiers.
+
 Exit status: 0 restored (or already there and verified), 1 nothing restorable or every copy
 failed, 2 bad usage or config.
 """
@@ -180,6 +189,7 @@ examples:
   tiered-restore --config cluster.yaml --step 12000
   tiered-restore --config cluster.yaml --from s3        # copy from S3 even where the shared tier has it
   tiered-restore --config cluster.yaml --verify-only    # check the newest step where it is
+  torchrun --nnodes 2 --nproc_per_node 8 ... -m tiered.cli.restore --config cluster.yaml  # from peers
 """
 
 
@@ -191,3 +201,7 @@ def restore_main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["RESTORE_DESCRIPTION", "RESTORE_EPILOG", "EXIT_USAGE", "cmd_restore", "restore_main", "restore_parser"]
+
+
+if __name__ == "__main__":  # (python -m tiered.cli.restore: as torchrun -m runs it)
+    sys.exit(restore_main())
