@@ -97,6 +97,17 @@ def test_a_lease_of_another_live_process_protects_the_step_and_a_dead_ones_does_
     assert tier.steps() == [5]
 
 
+def test_holding_a_step_of_an_s3_tier_writes_nothing_on_this_machine(tmp_path, monkeypatch):
+    class S3Like:  # (an S3 tier's root names its bucket)
+        root, bucket, prefix = "s3://bucket/run-1", "bucket", "run-1"
+
+    monkeypatch.chdir(tmp_path)
+    tier = S3Like()
+    with hold([tier], 7):
+        assert held_steps(tier) == {7}
+    assert held_steps(tier) == set() and list(tmp_path.iterdir()) == []
+
+
 def test_tiered_gc_applies_the_rule_to_the_only_tier_and_says_why(tmp_path, capsys):
     path = tmp_path / "t.yaml"
     import yaml

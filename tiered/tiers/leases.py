@@ -37,9 +37,9 @@ _held: Counter = Counter()
 def location(tier: Any) -> str:
     """Where a tier keeps its steps: its root directory, or its bucket and prefix."""
     root = getattr(tier, "root", None)
-    if root is not None:
-        return str(Path(root).absolute())
-    return f"s3://{tier.bucket}/{tier.prefix}"
+    if isinstance(root, Path):
+        return str(root.absolute())
+    return str(root) if root is not None else f"s3://{tier.bucket}/{tier.prefix}"
 
 
 @contextlib.contextmanager
@@ -69,9 +69,9 @@ def held_steps(tier: Any) -> set[int]:
     with _lock:
         out = {step for (loc, step), n in _held.items() if loc == where and n > 0}
     root = getattr(tier, "root", None)
-    if root is None:
+    if not isinstance(root, Path):  # (S3: this process's registry only)
         return out
-    folder = Path(root) / LEASE_DIR
+    folder = root / LEASE_DIR
     try:
         entries = list(os.scandir(folder))
     except OSError:
@@ -99,9 +99,9 @@ def held_steps(tier: Any) -> set[int]:
 
 def _write_lease(tier: Any, step: int) -> Path | None:
     root = getattr(tier, "root", None)
-    if root is None:
+    if not isinstance(root, Path):  # (an S3 tier's root names its bucket: no directory of this machine)
         return None
-    folder = Path(root) / LEASE_DIR
+    folder = root / LEASE_DIR
     path = folder / f"{step}__{new_writer_id()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
