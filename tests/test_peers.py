@@ -82,7 +82,7 @@ def test_a_lost_node_is_restored_from_its_peers_and_training_goes_on_as_if_it_ne
     outs = job(configs, "resume", "--steps", "10", "--shards", shards, "--expect", "6")
     assert "restored 6" in outs[0] and "restored 6" in outs[1]
     text = "\n".join(outs)
-    assert re.search(r"rank 2's files came from rank 0's replica \(.* in .* s, .*/s\)", text), text[-3000:]
+    assert re.search(r"rank 2's files came from rank 0's replica \(.* in .* s, .*/s; every chunk checked", text), text[-3000:]
     assert re.search(r"rank 3's files came from rank 1's replica", text), text[-3000:]
     resumed = losses(outs[0])
     assert sorted(resumed) == [7, 8, 9, 10]

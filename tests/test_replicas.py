@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -140,20 +139,22 @@ def _sender_dies_midway(rank: int, path: str, saved: str, root: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     transfer.PIECE = 1 << 20
     if rank == 0:  # a real step's files, cut off after its header, small files and 3 MiB of data
-        send, sent = dist.send, []
+        send, isend, sent = dist.send, dist.isend, []
 
-        def dying_send(tensor, dst, group=None):
-            if len(sent) == 6:
-                os._exit(0)
-            sent.append(tensor.numel())
-            send(tensor, dst, group=group)
+        def dying(fn):
+            def call(tensor, dst, group=None):
+                if len(sent) == 6:
+                    os._exit(0)
+                sent.append(tensor.numel())
+                return fn(tensor, dst, group=group)
+            return call
 
-        dist.send = dying_send
+        dist.send, dist.isend = dying(send), dying(isend)
         transfer.send_rank(LocalTier("local", Path(saved)), 6, 0, 1, None)
         os._exit(1)
     memory = MemoryTier("mem", Path(root), size=64 << 20, memory_only=False)
     try:
-        transfer.receive_rank(0, None, memory.replica_tier(0), None, into_step=False)
+        transfer.receive_rank(0, None, memory.replica_tier(0), into_step=False)
     except Exception as exc:  # noqa: BLE001 - what the test looks at
         Path(root, "outcome").write_text(f"{type(exc).__name__}: {exc}")
     else:

@@ -138,7 +138,7 @@ def _receive(step: int, holder: int, catalog: Any, group: Any) -> str:
     """Receive this rank's files of `step` from `holder` into the node's fast tier: where they
     came from and how fast, or "!" and why not."""
     try:
-        got = receive_rank(holder, group, catalog.fast, catalog.config.zstd, into_step=True, step=step)
+        got = receive_rank(holder, group, catalog.fast, into_step=True, step=step)
     except (TieredError, OSError) as exc:
         log.error("tiered: step %d: rank %d's replica (its files) from rank %d failed: %s", step, dist.get_rank(),
                   holder, exc)
@@ -146,7 +146,8 @@ def _receive(step: int, holder: int, catalog: Any, group: Any) -> str:
     if got is None:
         return f"!rank {holder} had no replica to send"
     rate = got.stored_bytes / max(got.seconds, 1e-9)
-    where = f"rank {holder}'s replica ({format_size(got.stored_bytes)} in {got.seconds:.2f} s, {format_size(rate)}/s)"
+    where = (f"rank {holder}'s replica ({format_size(got.stored_bytes)} in {got.seconds:.2f} s, {format_size(rate)}/s; "
+             f"every chunk checked {got.checking_s:.2f} s after the last byte)")
     log.info("tiered: step %d: rank %d's files came from %s", step, dist.get_rank(), where)
     return where
 

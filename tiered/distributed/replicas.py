@@ -149,7 +149,7 @@ class Replicator:
                 return
             try:
                 store().delete_key(key)
-                got = receive_rank(source, self.group, tier, self.saves.config.zstd, into_step=False,
+                got = receive_rank(source, self.group, tier, into_step=False,
                                    room=lambda n: self._room(n, source))
                 if got is not None:
                     self._retain(tier)
