@@ -199,3 +199,39 @@ def test_replicas_are_read_from_the_memory_tier():
 
     config = load_config({"version": 1, "tiers": [{"name": "mem", "kind": "memory", "replicas": 2}]})
     assert config.fast_tier.replicas == 2
+
+
+def _one_refused_then_one_kept(rank: int, path: str, saved: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from tiered.distributed import transfer
+    from tiered.tiers.local import LocalTier
+
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    transfer.PIECE = 1 << 20
+    if rank == 0:
+        for _ in range(2):
+            transfer.send_rank(LocalTier("local", Path(saved)), 6, 0, 1, None)
+        os._exit(0)
+    tier = MemoryTier("mem", Path(root), size=64 << 20, memory_only=False).replica_tier(0)
+    first = transfer.receive_rank(0, None, tier, into_step=False, room=lambda n: False)
+    second = transfer.receive_rank(0, None, tier, into_step=False, room=lambda n: True)
+    Path(root, "outcome").write_text(f"{first is None} {tier.steps()} {second.stored_bytes if second else None}")
+    os._exit(0)
+
+
+def test_a_replica_without_room_is_received_and_dropped_and_the_next_one_kept(tmp_path):
+    from tiered import Engine
+
+    with Engine.from_config({"version": 1, "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
+                                                      "codec": "none"}]}) as engine:
+        engine.save(6, {"w": torch.randn(1 << 20)}).wait()
+    root = tmp_path / "shm"
+    root.mkdir()
+    ctx = mp.start_processes(_one_refused_then_one_kept, args=(str(tmp_path / "store"), str(tmp_path / "nvme"),
+                                                               str(root)), nprocs=2, join=False, start_method="spawn")
+    while not ctx.join(timeout=120):
+        pass
+    text = (root / "outcome").read_text()  # (dropped, the steps kept after both, bytes of the second)
+    assert text.startswith("True [6] ") and int(text.rsplit(" ", 1)[1]) > 4 << 20, text

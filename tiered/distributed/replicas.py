@@ -27,6 +27,7 @@ each sender posts a last note, and each holder stops once it has received every 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -147,19 +148,24 @@ class Replicator:
             note = self._wait_note(key, source)
             if note is None or note == END:
                 return
+            outcome = "not kept (see its log)"
             try:
                 store().delete_key(key)
                 got = receive_rank(source, self.group, tier, into_step=False,
                                    room=lambda n: self._room(n, source))
                 if got is not None:
                     self._retain(tier)
-                    store().set(self._kept(source, self.rank, got.step), "ok")
+                    outcome = "ok"
                     log.info("tiered: rank %d keeps rank %d's replica of step %d (%s, %.2f s)", self.rank, source,
                              got.step, format_size(got.stored_bytes), got.seconds)
             except Exception as exc:  # noqa: BLE001 - logged; the next replica may come
                 log.error("tiered: rank %d: rank %d's replica of step %s was not kept: %s", self.rank, source, note, exc)
+                outcome = f"not kept: {exc}"[:500]
                 if "stream is lost" in str(exc):
                     return
+            finally:
+                with contextlib.suppress(Exception):  # (one key a source and holder: the last step's outcome)
+                    store().set(self._kept(source, self.rank), f"{note} {outcome}")
             seq += 1
 
     def _wait_note(self, key: str, source: int) -> str | None:
@@ -202,31 +208,42 @@ class Replicator:
         for step in tier.steps()[:-self.keep]:
             tier.delete(step)
 
-    def _kept(self, source: int, holder: int, step: int) -> str:
-        return f"{self.prefix}/kept/{source}/{holder}/{step}"
+    def _kept(self, source: int, holder: int) -> str:
+        return f"{self.prefix}/kept/{source}/{holder}"
 
-    def wait(self, timeout: float | None = None) -> list[int]:
-        """Wait until the steps committed so far are sent, and the newest sent is kept by every
-        holder (or `timeout` seconds); returns the holders that did not say they keep it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait(self, timeout: float) -> dict[int, str]:
+        """Wait until the steps committed so far are sent and every holder has said whether it
+        keeps the newest (at most `timeout` seconds); returns {holder: why not} for those that do
+        not, or did not say."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return list(self.holders)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {h: f"step {self._queue[-1] if self._queue else '?'} was still being sent"
+                            for h in self.holders}
                 self._cond.wait(left)
         if not self.sent:
-            return []
+            return {}
         step = max(self.sent)
-        missing = list(self.holders)
+        said: dict[int, str] = {}
         delay = 0.02
-        while missing:
-            missing = [h for h in missing if not store().check([self._kept(self.rank, h, step)])]
-            if not missing or (deadline is not None and time.monotonic() > deadline):
+        while True:
+            for h in self.holders:
+                if h in said:
+                    continue
+                with contextlib.suppress(Exception):
+                    if store().check([self._kept(self.rank, h)]):
+                        answer = store().get(self._kept(self.rank, h)).decode()
+                        got, _, outcome = answer.partition(" ")
+                        if got.isdigit() and int(got) >= step:
+                            said[h] = outcome
+            if len(said) == len(self.holders) or time.monotonic() > deadline:
                 break
             time.sleep(delay)
             delay = min(delay * 1.5, POLL_MAX_S)
-        return missing
+        return {h: said.get(h, f"did not say whether it keeps step {step}") for h in self.holders
+                if said.get(h) != "ok"}
 
     def close(self) -> None:
         """Send what is queued, tell the holders that no more comes, and keep receiving until the

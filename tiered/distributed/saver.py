@@ -95,15 +95,15 @@ class DistributedSaver:
         return self._group
 
     def wait_replicated(self, timeout: float | None = None) -> None:
-        """Wait until this rank's newest committed step is kept by the ranks keeping its replicas."""
+        """Wait until this rank's newest committed step is kept by the ranks keeping its replicas
+        (at most `timeout` seconds, default `distributed_timeout`); TieredError naming those that do not."""
         self.wait()
         if self._replicator is None:
             return
-        missing = self._replicator.wait(timeout)
+        missing = self._replicator.wait(self.saves.config.distributed_timeout if timeout is None else timeout)
         if missing:
-            raise TieredError(f"rank {self.rank}: ranks {missing} did not say they keep its replica of step "
-                              f"{max(self._replicator.sent)} (see their logs)" if self._replicator.sent else
-                              f"rank {self.rank}: its replicas were not sent within {timeout} s")
+            raise TieredError(f"rank {self.rank}: its newest step has no replica on " + "; ".join(
+                f"rank {h} ({why})" for h, why in sorted(missing.items())))
 
     def replica_group(self) -> Any:
         """The group replicas travel on (the replicator's own)."""
