@@ -16,10 +16,7 @@ uint8 tensor (gloo sends CPU tensors). Memory on each side: two pieces.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -74,11 +71,7 @@ def send_rank(tier: Any, step: int, rank: int, dst: int, group: Any) -> int:
         index_raw = tier.read_file(step, entry.index_file, MAX_INDEX_BYTES)
         if len(index_raw) != entry.index_bytes or checksum.wsum64(index_raw) != entry.index_checksum:
             raise FormatError(f"{tier.describe(step, entry.index_file)}: does not match the manifest (corrupted)")
-        mapped = tier.map_data(step, entry.data_file) if hasattr(tier, "map_data") and entry.data_bytes else None
-        if mapped is not None and len(mapped) < entry.data_bytes:
-            raise TieredError(f"{tier.describe(step, entry.data_file)}: truncated: {len(mapped)} bytes, the index says "
-                              f"{entry.data_bytes}")
-        reader = None if mapped is not None else tier.open_data_reader(step, entry.data_file, device=False)
+        reader = tier.open_data_reader(step, entry.data_file, device=False)
     except BaseException:
         dist.send(_header(step, rank, 0, 0, 0, 0, ok=False), dst, group=group)
         raise
@@ -88,9 +81,6 @@ def send_rank(tier: Any, step: int, rank: int, dst: int, group: Any) -> int:
         for raw in (manifest_raw, dcp_raw, index_raw):
             if raw:
                 dist.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), dst, group=group)
-        if mapped is not None:  # (a file in memory: its pages go out as they are)
-            _send_pages(mapped, entry.data_bytes, dst, group)
-            return len(manifest_raw) + len(dcp_raw) + len(index_raw) + entry.data_bytes
         # Two buffers: the next piece is read while the last one is on its way.
         bufs = [np.empty(min(PIECE, max(entry.data_bytes, 1)), dtype=np.uint8) for _ in range(2)]
         pending: list[Any] = [None, None]
@@ -111,26 +101,8 @@ def send_rank(tier: Any, step: int, rank: int, dst: int, group: Any) -> int:
             if work is not None:
                 work.wait()
     finally:
-        if reader is not None:
-            reader.close()
-        if mapped is not None:
-            with contextlib.suppress(BufferError):  # (else the collector unmaps it)
-                mapped.close()
+        reader.close()
     return len(manifest_raw) + len(dcp_raw) + len(index_raw) + entry.data_bytes
-
-
-def _send_pages(mapped: mmap.mmap, n: int, dst: int, group: Any) -> None:
-    """Send the first `n` bytes of a mapped file in pieces, two in flight."""
-    import torch.distributed as dist
-
-    data = torch.frombuffer(mapped, dtype=torch.uint8)
-    works: list[Any] = []
-    for off in range(0, n, PIECE):
-        if len(works) >= 2:
-            works.pop(0).wait()
-        works.append(dist.isend(data[off:off + min(PIECE, n - off)], dst, group=group))
-    for work in works:
-        work.wait()
 
 
 def _header(step: int, rank: int, manifest: int, dcp: int, index: int, data: int, ok: bool = True) -> torch.Tensor:
@@ -206,78 +178,61 @@ def receive_rank(src: int, group: Any, tier: Any, *, into_step: bool,
 
 
 def _receive_file(path: Any, n: int, src: int, group: Any, index: RankIndex) -> float:
-    """Receive `n` bytes from `src` into a new file at `path` (into its pages: the file is
-    reserved and mapped), durable on return, every chunk of `index` checked against its checksum
-    as soon as its bytes are in (on `VERIFY_THREADS` threads, beside the receiving). Returns when
-    the receiving ended (time.perf_counter()); the checks may end after it. A file that cannot be
-    made still receives every piece, so the stream stays in step, and then raises; a chunk
-    failing its check raises."""
+    """Receive `n` bytes from `src` into a new file at `path`, durable on return, every chunk of
+    `index` checked against its checksum as soon as its bytes are in (on `VERIFY_THREADS`
+    threads, beside the receiving). Returns when the receiving ended (time.perf_counter()); the
+    checks may end after it. A failure to write still receives every piece, so the stream stays
+    in step, and then raises; so does a chunk failing its check."""
     import torch.distributed as dist
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    mapped: mmap.mmap | None = None
+    # Two buffers: the next piece is received while the last one is written.
+    bufs = [torch.empty(min(PIECE, max(n, 1)), dtype=torch.uint8) for _ in range(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    checks = _Checks(index, path, n)
     failed: OSError | None = None
     try:
-        if n:
-            try:
-                _reserve(fd, n)
-                mapped = mmap.mmap(fd, n, access=mmap.ACCESS_WRITE)
-            except OSError as exc:  # (no room: every piece is still received, and dropped)
-                failed = exc
-        if mapped is None:
-            _drain(n, src, group)
-        else:
-            # Each piece lands in the file's own pages; its chunks are checked as soon as they are in.
-            try:
-                checks = _Checks(index, path, n, memoryview(mapped))
-            except FormatError:
-                _drain(n, src, group)
-                raise
-            target = torch.frombuffer(mapped, dtype=torch.uint8)
-            try:
-                for off in range(0, n, PIECE):
-                    dist.irecv(target[off:off + min(PIECE, n - off)], src, group=group).wait()
-                    checks.upto(min(n, off + PIECE))
-                received = time.perf_counter()
-                checks.finish()
-            finally:
-                checks.close()
-                del target
-            mapped.flush()
+        sizes = [min(PIECE, n - off) for off in range(0, n, PIECE)]
+        work = dist.irecv(bufs[0][:sizes[0]], src, group=group) if sizes else None
+        done = 0
+        for j, k in enumerate(sizes):
+            work.wait()
+            if j + 1 < len(sizes):
+                work = dist.irecv(bufs[(j + 1) % 2][:sizes[j + 1]], src, group=group)
+            if failed is None:
+                try:
+                    view = memoryview(bufs[j % 2][:k].numpy())
+                    while len(view):
+                        view = view[os.write(fd, view):]
+                except OSError as exc:
+                    failed = exc
+            done += k
+            if failed is None:
+                checks.upto(done)
+        received = time.perf_counter()
+        if failed is None:
             os.fsync(fd)
-            return received
     finally:
-        if mapped is not None:
-            with contextlib.suppress(BufferError):  # (else the collector unmaps it)
-                mapped.close()
         os.close(fd)
+        if failed is not None:
+            checks.close()
     if failed is not None:
         raise TieredError(f"{path}: cannot write what rank {src} sent: {failed.strerror}")
-    return time.perf_counter()
-
-
-def _reserve(fd: int, n: int) -> None:
-    """The file's `n` bytes allocated now (ENOSPC here, not a SIGBUS on a full tmpfs later)."""
-    try:
-        os.posix_fallocate(fd, 0, n)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", -1)):
-            raise
-        os.ftruncate(fd, n)  # (a filesystem that cannot reserve: ramfs)
+    checks.finish()
+    return received
 
 
 class _Checks:
     """The chunks of an index checked as a file of them is received (`upto`: its first bytes are
     in), on a pool of threads reading them back from the file."""
 
-    def __init__(self, index: RankIndex, path: Any, n: int, view: memoryview):
+    def __init__(self, index: RankIndex, path: Any, n: int):
         self.path = str(path)
-        self.view = view
         self.chunks = sorted((c.offset, c.offset + c.size, rec, j) for rec in index.tensors
                              for j, c in enumerate(rec.chunks))
         if self.chunks and (self.chunks[0][0] < 0 or max(end for _, end, _, _ in self.chunks) > n):
             raise FormatError(f"{path}: the index places chunks outside the {n} bytes of the data file")
         self.next = 0
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         self.pool = ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tiered-verify")
         self.futures: list[Any] = []
 
@@ -298,7 +253,7 @@ class _Checks:
 
     def _check(self, a: int, b: int) -> None:
         start, end = self.chunks[a][0], self.chunks[b - 1][1]
-        data = self.view[start:end]
+        data = memoryview(os.pread(self.fd, end - start, start))
         for _, _, rec, j in self.chunks[a:b]:
             verified(rec, j, data, start, self.path)
 
@@ -313,7 +268,7 @@ class _Checks:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.view = memoryview(b"")  # (the mapping's export let go, so that it can be closed)
+        os.close(self.fd)
 
 
 def _drain(n: int, src: int, group: Any) -> None:

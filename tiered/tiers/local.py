@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
-import mmap
 import os
 import shutil
 import threading
@@ -416,19 +415,6 @@ class LocalTier:
         except BaseException:
             os.close(fd)
             raise
-
-    def map_data(self, step: int, name: str) -> mmap.mmap:
-        """A step's data file mapped (opened as `open_data_reader` opens it; copy-on-write: the
-        file is never changed through it), for sending it without a copy."""
-        d = self._files(step)
-        name = safe_name(name, str(d), "data file")
-        fd = open_regular(d, name, f"{d / name}: data file is missing")
-        try:
-            return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError) as exc:
-            raise TieredError(f"{d / name}: cannot be mapped: {exc}") from None
-        finally:
-            os.close(fd)
 
     def describe(self, step: int, name: str) -> str:
         return str(self.step_dir(step) / name)
