@@ -77,6 +77,11 @@ def test_a_lost_node_is_restored_from_its_peers_and_training_goes_on_as_if_it_ne
     # Node 1 is lost: its memory is gone. Node 0 keeps its own steps and node 1's replicas.
     assert sorted(p.name for p in (memory[0] / ".replicas").iterdir()) == ["rank_00002", "rank_00003"]
     assert (memory[0] / ".replicas" / "rank_00002" / "step_000000000006" / "MANIFEST.json").is_file()
+    # Replicas are kept as the tier keeps its steps (keep_last 2), and are none of the node's steps.
+    for source in ("rank_00002", "rank_00003"):
+        assert sorted(p.name for p in (memory[0] / ".replicas" / source).glob("step_*")) == \
+            ["step_000000000004", "step_000000000006"]
+    assert not list((memory[0] / "step_000000000006").glob("rank_00002*"))
     shutil.rmtree(memory[1])
     shutil.rmtree(tmp / "shared", ignore_errors=True)  # (no slower tier to fall back on)
     outs = job(configs, "resume", "--steps", "10", "--shards", shards, "--expect", "6")
@@ -168,3 +173,25 @@ def test_tiered_restore_under_torchrun_brings_a_replaced_nodes_files_from_its_pe
     assert out.returncode == 0 and "ranks [2, 3] of 4 here" in out.stdout, out.stdout + out.stderr
     outs = job(configs, "resume", "--steps", "5", "--shards", shards, "--expect", "4")
     assert "came from" not in "\n".join(outs)  # (every rank's files were on its node)
+
+
+def test_a_job_of_node_local_tiers_restores_each_rank_from_its_own_node(tmp_path):
+    # No replicas and no shared tier: each node holds its own ranks' files and a copy of every
+    # replicated item (the step, the optimizer's step counts), so each restores alone.
+    shm = Path("/dev/shm") / f"tiered-test-{uuid.uuid4().hex[:8]}"
+    configs = []
+    for i in range(2):
+        path = tmp_path / f"node{i}.yaml"
+        path.write_text(yaml.safe_dump({"version": 1, "chunk_size": "64KiB", "tiers": [
+            {"name": "mem", "kind": "memory", "path": str(shm / f"node{i}"), "codec": "zstd"}]}))
+        configs.append(str(path))
+    try:
+        shards = str(tmp_path / "shards")
+        job(configs, "train", "--steps", "4", "--die-after", "4", "--shards", shards)
+        for i, ranks in ((0, ["rank_00000", "rank_00001"]), (1, ["rank_00002", "rank_00003"])):
+            d = shm / f"node{i}" / "step_000000000004"
+            assert sorted(p.name.split(".")[0] for p in d.glob("rank_*.index.json")) == ranks
+        outs = job(configs, "resume", "--steps", "5", "--shards", shards, "--expect", "4")
+        assert all("restored 4" in o for o in outs)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
