@@ -195,3 +195,16 @@ def test_a_job_of_node_local_tiers_restores_each_rank_from_its_own_node(tmp_path
         assert all("restored 4" in o for o in outs)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_replicas_kept_by_an_earlier_run_serve_a_restart_that_keeps_none(cluster):
+    configs, memory, tmp = cluster
+    shards = str(tmp / "shards")
+    job(configs, "train", "--steps", "4", "--die-after", "4", "--shards", shards)
+    shutil.rmtree(memory[1])
+    for cfg in configs:  # the restarted job asks for no replicas
+        doc = yaml.safe_load(Path(cfg).read_text())
+        doc["tiers"][0]["replicas"] = 0
+        Path(cfg).write_text(yaml.safe_dump(doc))
+    outs = job(configs, "resume", "--steps", "5", "--shards", shards, "--expect", "4")
+    assert "rank 2's files came from rank 0's replica" in "\n".join(outs)

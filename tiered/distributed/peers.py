@@ -168,7 +168,7 @@ def restore(saver: Any, restorer: Any, state_dict: Any, step: int | None, tier: 
                 log.info("tiered: step %d was saved at another world size than this job's %d: each rank reads what "
                          "its shards need from the tiers that hold the whole step", step, dist.get_world_size())
         elif plan.sends or plan.slow:
-            came = fetch(plan, catalog, saver.replica_group() if plan.sends else None)
+            came = fetch(plan, catalog, saver.replica_group())
     else:
         step = agree_on_step(step, lambda: catalog.restore_order(None, tier)[0])
     step, order = catalog.restore_order(step, tier)

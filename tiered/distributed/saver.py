@@ -106,10 +106,9 @@ class DistributedSaver:
                 f"rank {h} ({why})" for h, why in sorted(missing.items())))
 
     def replica_group(self) -> Any:
-        """The group replicas travel on (the replicator's own)."""
-        if self._replicator is None:
-            raise TieredError("no replicas are kept (the memory tier's replicas: 0)")
-        return self._replicator.group
+        """The group replicas travel on: the replicator's own, or (no replicas kept now, but some
+        kept by an earlier run are asked for at a restore) the planning's CPU group."""
+        return self._replicator.group if self._replicator is not None else self._group
 
     def _job_id(self) -> str:
         """One id of this engine's job, the same on every rank (collective)."""
