@@ -51,6 +51,19 @@ def losses(text: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"^loss (\d+) (\S+)$", text, re.M)}
 
 
+def memory_only(tmp_path: Path, nodes: int, replicas: int) -> tuple[Path, list[str]]:
+    """Per node a config of one memory tier under /dev/shm (tmpfs) keeping `replicas`; the folder
+    holding them (removed by the caller) and the configs."""
+    shm = Path("/dev/shm") / f"tiered-test-{uuid.uuid4().hex[:8]}"
+    configs = []
+    for i in range(nodes):
+        path = tmp_path / f"node{i}.yaml"
+        path.write_text(yaml.safe_dump({"version": 1, "chunk_size": "64KiB", "tiers": [
+            {"name": "mem", "kind": "memory", "path": str(shm / f"node{i}"), "replicas": replicas, "codec": "zstd"}]}))
+        configs.append(str(path))
+    return shm, configs
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """Per node: a memory tier under /dev/shm (tmpfs) keeping 1 replica, and the shared tier."""
@@ -126,13 +139,7 @@ def test_a_replica_that_fails_its_check_or_is_gone_gives_way_to_the_shared_tier(
 
 def test_a_damaged_replica_is_asked_of_the_next_node_keeping_one(tmp_path):
     # Three nodes of one rank, two replicas each: rank 2's are on nodes 0 and 1.
-    shm = Path("/dev/shm") / f"tiered-test-{uuid.uuid4().hex[:8]}"
-    configs = []
-    for i in range(3):
-        path = tmp_path / f"node{i}.yaml"
-        path.write_text(yaml.safe_dump({"version": 1, "chunk_size": "64KiB", "tiers": [
-            {"name": "mem", "kind": "memory", "path": str(shm / f"node{i}"), "replicas": 2, "codec": "zstd"}]}))
-        configs.append(str(path))
+    shm, configs = memory_only(tmp_path, nodes=3, replicas=2)
     try:
         shards = str(tmp_path / "shards")
         job(configs, "train", "--steps", "4", "--die-after", "4", "--shards", shards, nproc=1)
@@ -178,13 +185,7 @@ def test_tiered_restore_under_torchrun_brings_a_replaced_nodes_files_from_its_pe
 def test_a_job_of_node_local_tiers_restores_each_rank_from_its_own_node(tmp_path):
     # No replicas and no shared tier: each node holds its own ranks' files and a copy of every
     # replicated item (the step, the optimizer's step counts), so each restores alone.
-    shm = Path("/dev/shm") / f"tiered-test-{uuid.uuid4().hex[:8]}"
-    configs = []
-    for i in range(2):
-        path = tmp_path / f"node{i}.yaml"
-        path.write_text(yaml.safe_dump({"version": 1, "chunk_size": "64KiB", "tiers": [
-            {"name": "mem", "kind": "memory", "path": str(shm / f"node{i}"), "codec": "zstd"}]}))
-        configs.append(str(path))
+    shm, configs = memory_only(tmp_path, nodes=2, replicas=0)
     try:
         shards = str(tmp_path / "shards")
         job(configs, "train", "--steps", "4", "--die-after", "4", "--shards", shards)

@@ -162,18 +162,26 @@ def _sender_dies_midway(rank: int, path: str, saved: str, root: str) -> None:
     os._exit(0)
 
 
-def test_a_replica_whose_sender_is_lost_mid_way_is_never_committed(tmp_path):
+def _pair(fn, tmp_path: Path, floats: int) -> Path:
+    """Step 6 of `floats` random floats saved on a local tier; then `fn(rank, store, saved, root)`
+    as ranks 0 and 1 of a gloo job; returns `root` (the receiver's memory tier, where it writes
+    its outcome)."""
     from tiered import Engine
 
     with Engine.from_config({"version": 1, "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
                                                       "codec": "none"}]}) as engine:
-        engine.save(6, {"w": torch.randn(4 << 20)}).wait()
+        engine.save(6, {"w": torch.randn(floats)}).wait()
     root = tmp_path / "shm"
     root.mkdir()
-    ctx = mp.start_processes(_sender_dies_midway, args=(str(tmp_path / "store"), str(tmp_path / "nvme"), str(root)),
-                             nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=(str(tmp_path / "store"), str(tmp_path / "nvme"), str(root)), nprocs=2,
+                             join=False, start_method="spawn")
     while not ctx.join(timeout=120):  # (returns as each process ends)
         pass
+    return root
+
+
+def test_a_replica_whose_sender_is_lost_mid_way_is_never_committed(tmp_path):
+    root = _pair(_sender_dies_midway, tmp_path, 4 << 20)
     outcome = (root / "outcome").read_text()
     assert outcome != "received" and "Error" in outcome and "corrupted" not in outcome, outcome
     tier = MemoryTier("mem", root, size=64 << 20, memory_only=False).replica_tier(0)
@@ -222,16 +230,6 @@ def _one_refused_then_one_kept(rank: int, path: str, saved: str, root: str) -> N
 
 
 def test_a_replica_without_room_is_received_and_dropped_and_the_next_one_kept(tmp_path):
-    from tiered import Engine
-
-    with Engine.from_config({"version": 1, "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "nvme"),
-                                                      "codec": "none"}]}) as engine:
-        engine.save(6, {"w": torch.randn(1 << 20)}).wait()
-    root = tmp_path / "shm"
-    root.mkdir()
-    ctx = mp.start_processes(_one_refused_then_one_kept, args=(str(tmp_path / "store"), str(tmp_path / "nvme"),
-                                                               str(root)), nprocs=2, join=False, start_method="spawn")
-    while not ctx.join(timeout=120):
-        pass
+    root = _pair(_one_refused_then_one_kept, tmp_path, 1 << 20)
     text = (root / "outcome").read_text()  # (dropped, the steps kept after both, bytes of the second)
     assert text.startswith("True [6] ") and int(text.rsplit(" ", 1)[1]) > 4 << 20, text
