@@ -209,6 +209,37 @@ def test_replicas_are_read_from_the_memory_tier():
     assert config.fast_tier.replicas == 2
 
 
+def _one_unwritable_then_one_kept(rank: int, path: str, saved: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from tiered.distributed import transfer
+    from tiered.tiers.local import LocalTier
+
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    transfer.PIECE = 1 << 20
+    if rank == 0:
+        for _ in range(2):
+            transfer.send_rank(LocalTier("local", Path(saved)), 6, 0, 1, None)
+        os._exit(0)
+    Path(root, "a-file").write_text("in the way")
+    try:  # a tier whose directory cannot be made (a file is in the way)
+        transfer.receive_rank(0, None, LocalTier("bad", Path(root, "a-file", "tier")), into_step=False)
+        first = "received"
+    except Exception as exc:  # noqa: BLE001 - what the test looks at
+        first = type(exc).__name__
+    tier = MemoryTier("mem", Path(root), size=64 << 20, memory_only=False).replica_tier(0)
+    second = transfer.receive_rank(0, None, tier, into_step=False)
+    Path(root, "outcome").write_text(f"{first} {tier.steps()} {second.stored_bytes if second else None}")
+    os._exit(0)
+
+
+def test_a_replica_that_cannot_be_written_is_taken_off_the_wire_and_the_next_one_kept(tmp_path):
+    root = _pair(_one_unwritable_then_one_kept, tmp_path, 1 << 20)
+    text = (root / "outcome").read_text()  # (the first's error, the steps kept after both, bytes of the second)
+    assert text.startswith("TieredError [6] ") and int(text.rsplit(" ", 1)[1]) > 4 << 20, text
+
+
 def _one_refused_then_one_kept(rank: int, path: str, saved: str, root: str) -> None:
     import torch.distributed as dist
 

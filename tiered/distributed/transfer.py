@@ -16,6 +16,7 @@ uint8 tensor (gloo sends CPU tensors). Memory on each side: two pieces.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -160,17 +161,22 @@ def receive_rank(src: int, group: Any, tier: Any, *, into_step: bool,
         if problem is not None:
             raise TieredError(problem)
         return None
-    tier.begin_step(got_step, replacing=True)
+    receiving = False
     try:
+        tier.begin_step(got_step, replacing=True)
         if dcp_raw:
             tier.write_file(got_step, manifest.dcp.name, dcp_raw)
         tier.write_file(got_step, entry.index_file, index_raw)
+        receiving = True  # (from here on, _receive_file takes every byte, whatever fails)
         t1 = _receive_file(tier.file_path(got_step, entry.data_file), n_data, src, group, index)
         if into_step:
             tier.commit_rank(got_step, (entry.data_file, entry.index_file), manifest_raw)
         else:
             tier.commit(got_step, manifest_raw)
     except BaseException:
+        if not receiving:  # (the data still comes: taken and dropped, so that the stream stays in step)
+            with contextlib.suppress(Exception):
+                _drain(n_data, src, group)
         tier.discard(got_step)
         raise
     t2 = time.perf_counter()
@@ -187,8 +193,17 @@ def _receive_file(path: Any, n: int, src: int, group: Any, index: RankIndex) -> 
 
     # Two buffers: the next piece is received while the last one is written.
     bufs = [torch.empty(min(PIECE, max(n, 1)), dtype=torch.uint8) for _ in range(2)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    checks = _Checks(index, path, n)
+    fd = -1
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        checks = _Checks(index, path, n)
+    except (OSError, FormatError) as exc:  # (every byte is still taken, then this is raised)
+        if fd >= 0:
+            os.close(fd)
+        _drain(n, src, group)
+        if isinstance(exc, FormatError):
+            raise
+        raise TieredError(f"{path}: cannot write what rank {src} sent: {exc.strerror}") from None
     failed: OSError | None = None
     try:
         sizes = [min(PIECE, n - off) for off in range(0, n, PIECE)]
