@@ -8,6 +8,7 @@ import json
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_holders_are_asked_nearest_first():
     kept = {6: {0: (3, (0, 1, 2))}}
     reports = [Holdings({}, {}), Holdings(own(6, world=3, listed=(0, 1, 2)), kept),
                Holdings(own(6, world=3, listed=(0, 1, 2)), kept)]
-    assert peer_restore_plan(reports, holders_of={0: [2, 1]}).sends == {0: (2, 1)}
+    assert peer_restore_plan(reports, node_of=[0, 2, 1]).sends == {0: (2, 1)}  # (node 1 is next to node 0)
 
 
 def _item(fqn: str, kind=WriteItemType.BYTE_IO) -> WriteItem:
@@ -209,7 +210,9 @@ def test_replicas_are_read_from_the_memory_tier():
     assert config.fast_tier.replicas == 2
 
 
-def _one_unwritable_then_one_kept(rank: int, path: str, saved: str, root: str) -> None:
+def _sent_twice(rank: int, path: str, saved: str) -> Any:
+    """A gloo job of two: rank 0 sends rank 0's files of step 6 on the tier at `saved` twice, in
+    1 MiB pieces, and ends; rank 1 gets the transfer module back, to receive them."""
     import torch.distributed as dist
 
     from tiered.distributed import transfer
@@ -222,6 +225,13 @@ def _one_unwritable_then_one_kept(rank: int, path: str, saved: str, root: str) -
         for _ in range(2):
             transfer.send_rank(LocalTier("local", Path(saved)), 6, 0, 1, None)
         os._exit(0)
+    return transfer
+
+
+def _one_unwritable_then_one_kept(rank: int, path: str, saved: str, root: str) -> None:
+    from tiered.tiers.local import LocalTier
+
+    transfer = _sent_twice(rank, path, saved)
     Path(root, "a-file").write_text("in the way")
     try:  # a tier whose directory cannot be made (a file is in the way)
         transfer.receive_rank(0, None, LocalTier("bad", Path(root, "a-file", "tier")), into_step=False)
@@ -241,18 +251,7 @@ def test_a_replica_that_cannot_be_written_is_taken_off_the_wire_and_the_next_one
 
 
 def _one_refused_then_one_kept(rank: int, path: str, saved: str, root: str) -> None:
-    import torch.distributed as dist
-
-    from tiered.distributed import transfer
-    from tiered.tiers.local import LocalTier
-
-    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    transfer.PIECE = 1 << 20
-    if rank == 0:
-        for _ in range(2):
-            transfer.send_rank(LocalTier("local", Path(saved)), 6, 0, 1, None)
-        os._exit(0)
+    transfer = _sent_twice(rank, path, saved)
     tier = MemoryTier("mem", Path(root), size=64 << 20, memory_only=False).replica_tier(0)
     first = transfer.receive_rank(0, None, tier, into_step=False, room=lambda n: False)
     second = transfer.receive_rank(0, None, tier, into_step=False, room=lambda n: True)

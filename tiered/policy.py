@@ -158,25 +158,30 @@ class PeerPlan:
 
 
 def peer_restore_plan(reports: Sequence[Holdings], step: int | None = None,
-                      holders_of: Mapping[int, Sequence[int]] | None = None) -> PeerPlan:
+                      node_of: Sequence[int] | None = None) -> PeerPlan:
     """Which step a job restores and who sends what, from every rank's holdings: the newest step
     that every rank it lists can have, from its own node, from a rank keeping its replica, or
-    from the shared tiers (or `step`, where asked). `holders_of[r]`: the ranks that keep rank r's
-    replicas in order of preference (default: by rank)."""
+    from the shared tiers (or `step`, where asked). `node_of[r]`: rank r's node; the ranks keeping
+    a replica are asked nearest node first, in the order replicas are placed (default: by rank)."""
     world = len(reports)
     slow_steps = set().union(*(r.slow for r in reports))
     known: dict[int, tuple[int, tuple[int, ...]]] = {}
-    for r in reports:
+    kept: dict[tuple[int, int], list[int]] = {}
+    """(step, rank) -> the ranks keeping that rank's replica of the step."""
+    for holder, r in enumerate(reports):
         for s, info in r.own.items():
             known.setdefault(s, info)
-        for s, kept in r.replicas.items():
-            for info in kept.values():
+        for s, sources in r.replicas.items():
+            for source, info in sources.items():
                 known.setdefault(s, info)
+                kept.setdefault((s, source), []).append(holder)
+    nodes = max(node_of) + 1 if node_of else 1
 
     def keepers(s: int, rank: int) -> tuple[int, ...]:
-        order = list(holders_of.get(rank, ())) if holders_of else []
-        order += [h for h in range(world) if h not in order]
-        return tuple(h for h in order if rank in reports[h].replicas.get(s, {}))
+        holders = kept.get((s, rank), [])
+        if node_of:
+            return tuple(sorted(holders, key=lambda h: ((node_of[h] - node_of[rank]) % nodes, h)))
+        return tuple(holders)
 
     def complete(s: int) -> bool:
         if s in slow_steps:

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 log = logging.getLogger("tiered")
@@ -42,12 +43,29 @@ class Nodes:
         number: dict[str, int] = {}
         return cls(tuple(number.setdefault(k, len(number)) for k in keys))
 
+    @cached_property
+    def _members(self) -> list[list[int]]:
+        """The ranks of each node, ascending (made once: a job's lookups stay O(1) at any size)."""
+        out: list[list[int]] = [[] for _ in range(max(self.of_rank) + 1 if self.of_rank else 0)]
+        for r, n in enumerate(self.of_rank):
+            out[n].append(r)
+        return out
+
+    @cached_property
+    def _index(self) -> list[int]:
+        """Each rank's place among its node's ranks (its local index)."""
+        out = [0] * len(self.of_rank)
+        for members in self._members:
+            for i, r in enumerate(members):
+                out[r] = i
+        return out
+
     @property
     def count(self) -> int:
-        return max(self.of_rank) + 1 if self.of_rank else 0
+        return len(self._members)
 
     def ranks(self, node: int) -> list[int]:
-        return [r for r, n in enumerate(self.of_rank) if n == node]
+        return list(self._members[node])
 
     def local_ranks(self, rank: int) -> list[int]:
         """The ranks on `rank`'s node (itself included)."""
@@ -56,11 +74,10 @@ class Nodes:
     def holders(self, rank: int, k: int) -> list[int]:
         """The ranks keeping `rank`'s replicas: one on each of the next `k` nodes (fewer where the
         job has fewer other nodes), the nearest first."""
-        node = self.of_rank[rank]
-        index = self.local_ranks(rank).index(rank)
+        node, index = self.of_rank[rank], self._index[rank]
         out = []
         for j in range(1, min(k, self.count - 1) + 1):
-            there = self.ranks((node + j) % self.count)
+            there = self._members[(node + j) % self.count]
             out.append(there[index % len(there)])
         return out
 

@@ -90,8 +90,7 @@ def agree(catalog: Any, nodes: Any, k: int, step: int | None, group: Any = None)
     mine = holdings(catalog, rank, nodes, slow=rank == 0)
     reports: list[Any] = [None] * dist.get_world_size()
     collective("a restore: telling what each node holds", lambda: dist.all_gather_object(reports, mine, group=group))
-    holders_of = {r: nodes.holders(r, max(k, nodes.count - 1)) for r in range(len(reports))}
-    return peer_restore_plan(reports, step, holders_of)
+    return peer_restore_plan(reports, step, nodes.of_rank)
 
 
 def fetch(plan: PeerPlan, catalog: Any, group: Any) -> dict[int, str]:
