@@ -74,12 +74,14 @@ class DistributedSaver:
         saves.bind_rank(self.rank, self.world)
         self._group = cpu_group(self.saves.config.distributed_timeout)
         """Where the planning's collectives run: None for the default group, which does CPU ones."""
-        self.nodes, asked = gather_nodes(self._group, replicas_asked(saves.config))
+        # One all-gather: each rank's node, the replicas its config asks, and an id (rank 0's names
+        # the replicas' keys in the job's store).
+        self.nodes, said = gather_nodes(self._group, (replicas_asked(saves.config), os.urandom(8).hex()))
         """Which ranks share a node: a replicated item is stored once a node (NodeCopiesPlanner)."""
-        self.replicas = replicas_to_keep(asked, self.nodes, self.rank)
+        self.replicas = replicas_to_keep([asked for asked, _ in said], self.nodes, self.rank)
         """Ranks on other nodes keeping each rank's steps (the memory tier's `replicas`, as every rank can)."""
         self._replicator = Replicator(saves, self.nodes.holders(self.rank, self.replicas),
-                                      self.nodes.sources(self.rank, self.replicas), self._job_id(),
+                                      self.nodes.sources(self.rank, self.replicas), said[0][1],
                                       saves.config.distributed_timeout) if self.replicas else None
         self._told_default = False
         self._reuse = PlanReuse()
@@ -109,12 +111,6 @@ class DistributedSaver:
         """The group replicas travel on: the replicator's own, or (no replicas kept now, but some
         kept by an earlier run are asked for at a restore) the planning's CPU group."""
         return self._replicator.group if self._replicator is not None else self._group
-
-    def _job_id(self) -> str:
-        """One id of this engine's job, the same on every rank (collective)."""
-        box = [os.urandom(8).hex() if self.rank == 0 else None]
-        collective("agreeing on the replicas' key names", lambda: dist.broadcast_object_list(box, src=0, group=self._group))
-        return str(box[0])
 
     def restore(self, restorer: Any, state_dict: Any, step: int | None, tier: str | None, *, strict: bool) -> int:
         """`Engine.restore` on every rank (tiered.distributed.peers)."""
