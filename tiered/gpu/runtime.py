@@ -6,11 +6,12 @@ when a GPU device is first asked for.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -112,8 +113,49 @@ def host_pool(host_buffer: int | None) -> HostPool:
                  format_size(host_buffer), choice.why, ", pinned in the background as saves need it" if cuda else "")
     if not cuda:
         return HostPool(host_buffer)
+    pin, unpin = host_registration()
+    return HostPool(host_buffer, pin=pin, unpin=unpin)
+
+
+def host_registration() -> tuple[Callable[[int, int], bool], Callable[[int], None]]:
+    """(pin(address, nbytes) -> ok, unpin(address)) for host staging memory, portable (pinned for
+    every GPU of this process, not only the pinning thread's; the pinner runs on the engine's GPU:
+    tiered.threads). Through the driver (`cuMemHostRegister` by ctypes, which lets the GIL go while
+    the driver works): torch's `cudart().cudaHostRegister` holds the GIL for the whole call, and
+    on an H200 host a training thread launching beside the pinner stood still up to 1.4 s
+    (docs/architecture.md, "Why the pinner touches pages first"). Where the driver library
+    or the calling thread's context is missing, torch's binding does it."""
     cudart = torch.cuda.cudart()
-    # cudaHostRegisterPortable (1): pinned for every GPU of this process, not only the pinning
-    # thread's (the pinner runs on the engine's GPU: tiered.threads).
-    return HostPool(host_buffer, pin=lambda addr, n: int(cudart.cudaHostRegister(addr, n, 1)) == 0,
-                    unpin=lambda addr: cudart.cudaHostUnregister(addr))
+
+    def by_torch(addr: int, n: int) -> bool:
+        return int(cudart.cudaHostRegister(addr, n, 1)) == 0
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        register, unregister = lib.cuMemHostRegister_v2, lib.cuMemHostUnregister
+    except (OSError, AttributeError):
+        return by_torch, lambda addr: cudart.cudaHostUnregister(addr)
+    register.argtypes, register.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+    unregister.argtypes, unregister.restype = [ctypes.c_void_p], ctypes.c_int
+    by_driver: set[int] = set()
+
+    def pin(addr: int, n: int) -> bool:
+        rc = register(addr, n, 1)  # CU_MEMHOSTREGISTER_PORTABLE
+        if rc in _NO_CONTEXT:  # (a thread no runtime call has bound to a GPU yet)
+            return by_torch(addr, n)
+        if rc == 0:
+            by_driver.add(addr)
+        return rc == 0
+
+    def unpin(addr: int) -> None:
+        if addr in by_driver:
+            by_driver.discard(addr)
+            unregister(addr)
+        else:
+            cudart.cudaHostUnregister(addr)
+
+    return pin, unpin
+
+
+_NO_CONTEXT = (3, 201)
+"""CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_INVALID_CONTEXT."""
