@@ -116,6 +116,7 @@ def test_reserve_decides_codec_auto_before_the_first_save(tmp_path, bandwidth, e
     with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
         assert engine.saves.codec.pending
         engine.reserve(state)
+        assert engine.wait_pinned(60)  # (reserve's work runs on a thread of its own)
         assert not engine.saves.codec.pending and engine.fast_codec == expected
         assert "codec: auto" not in engine.describe()
         engine.save(1, state).wait()
@@ -150,7 +151,7 @@ def test_after_reserve_a_slow_first_save_still_caps_a_probe_a_write_cache_fooled
     state = {"w": torch.randn(2_000_000), "b": torch.randn(300_000).to(torch.bfloat16)}
     with caplog.at_level(logging.INFO, logger="tiered"), tiered.Engine.from_config(cfg) as engine:
         engine.reserve(state)
-        assert engine.fast_codec == "none", caplog.text
+        assert engine.wait_pinned(60) and engine.fast_codec == "none", caplog.text
         engine.save(1, state).wait()
         engine.saves.codec.join(60)
         assert engine.fast_codec == "zstd", caplog.text

@@ -338,7 +338,7 @@ def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_pa
         cfg["budgets"]["gpu_buffer"] = gpu_buffer
     with caplog.at_level("INFO", "tiered"), tiered.Engine.from_config(cfg) as engine:
         engine.reserve(state)
-        assert len(built) == 1, "reserve() laid the state out"
+        assert engine.wait_pinned(300) and len(built) == 1, "reserve() laid the state out"
         assert "pack buffer allocated (budgets.pack_buffer)" in caplog.text and "laid out in 5 waves" in caplog.text
         assert engine.wait_pinned(300)
         assert engine.workers.device(0).wait_warm(0), "the save kernels are compiled"
@@ -352,14 +352,17 @@ def test_reserve_and_wait_pinned_leave_no_start_up_work_to_the_first_save(tmp_pa
 
 
 @pytest.mark.gpu
-def test_a_pack_buffer_that_does_not_fit_is_refused_by_reserve_naming_its_budget(tmp_path):
+def test_a_pack_buffer_that_does_not_fit_is_refused_after_reserve_naming_its_budget(tmp_path):
     state = {"w": torch.randn(1 << 20, device="cuda")}
     free = torch.cuda.mem_get_info()[0]
     cfg = {"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}],
            "budgets": {"pack_buffer": f"{2 * free // (1 << 20)}MiB"}}
     with tiered.Engine.from_config(cfg) as engine:
+        engine.reserve(state)  # (it lays out on another thread: the next call that waits for it raises)
         with pytest.raises(tiered.TieredError, match=r"pack buffer \(budgets.pack_buffer\) does not fit"):
-            engine.reserve(state)
+            engine.wait_pinned(120)
+        with pytest.raises(tiered.TieredError, match=r"pack buffer \(budgets.pack_buffer\) does not fit"):
+            engine.save(1, state).wait()  # (and the first save, which allocates it itself)
 
 
 @pytest.mark.gpu
@@ -433,13 +436,78 @@ def test_reserve_plans_the_state_so_its_first_save_does_not(tmp_path, monkeypatc
     monkeypatch.setattr(tiered.stage.plan, "make_plan", lambda *a, **k: made.append(1) or real(*a, **k))
     with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
         engine.reserve(state)
-        assert len(made) == 1
+        assert engine.wait_pinned(30) and len(made) == 1
         engine.save(1, state).wait()
         assert len(made) == 1, "the first save reused the plan reserve() made"
         engine.save(2, {**state, "extra": torch.zeros(3)}).wait()
         assert len(made) == 2, "another structure is planned again"
         got = engine.load(1)
     assert torch.equal(got["w"], state["w"]) and got["tied"] is got["w"]
+
+
+def test_reserve_readies_saves_on_a_thread_of_its_own(tmp_path, monkeypatch, caplog):
+    """reserve() walks the state and returns; the plan and the layout are made on another thread,
+    and whatever needs them (a save, guard, restore, wait_pinned) waits for that thread first. A
+    failure there is logged and the first save does the work itself."""
+    import tiered.stage.plan
+    state = {"w": torch.randn(1000), "opt": {"m": torch.randn(10), "step": 3}}
+    gate, threads_seen = threading.Event(), []
+    real = tiered.stage.plan.make_plan
+
+    def slow_plan(*a, **k):
+        threads_seen.append(threading.current_thread().name)
+        assert gate.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tiered.stage.plan, "make_plan", slow_plan)
+    with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path)}]}) as engine:
+        t0 = time.perf_counter()
+        engine.reserve(state)
+        assert time.perf_counter() - t0 < 2 and not engine.wait_pinned(0.2), "the call does not plan"
+        saved = []
+        saver = threading.Thread(target=lambda: saved.append(engine.save(1, state)))
+        saver.start()
+        saver.join(0.3)
+        assert saver.is_alive(), "the first save waits for the reservation rather than planning beside it"
+        gate.set()
+        saver.join(10)
+        saved[0].wait()
+        assert threads_seen == ["tiered-reserve"], "planned once, by the reservation's thread"
+        assert torch.equal(engine.load(1)["w"], state["w"])
+
+    def broken(*a, **k):
+        raise RuntimeError("no plan today")
+
+    monkeypatch.setattr(tiered.stage.plan, "make_plan", broken)
+    with tiered.Engine.from_config({"tiers": [{"name": "l", "kind": "local", "path": str(tmp_path / "b")}]}) as engine:
+        with caplog.at_level("WARNING", "tiered"):
+            engine.reserve(state)
+            assert engine.wait_pinned(10)
+        assert "reserve() could not ready saves" in caplog.text and "no plan today" in caplog.text
+        monkeypatch.setattr(tiered.stage.plan, "make_plan", real)
+        engine.save(2, state).wait()  # (the save plans itself)
+        assert engine.steps() == [2]
+
+
+def test_host_pool_touches_each_block_before_pinning_it():
+    """The pinner has the kernel back a block's pages (the resident set grows by the block) before
+    it registers it, a block ahead of the registration, on threads of their own."""
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    block = 16 << 20
+    seen = []
+    before = resident()
+    pool = HostPool(4 * block, 4096, pin=lambda addr, n: seen.append((addr, n, resident() - before)) or True,
+                    unpin=lambda a: None, block=block)
+    pool.want(4 * block)
+    assert pool.wait_pinned(10)
+    base = pool.buffer.data_ptr()
+    assert [(a - base, n) for a, n, _ in seen] == [(k * block, block) for k in range(4)]
+    for k, (_, _, grown) in enumerate(seen):
+        assert grown >= (k + 1) * block * 0.9, f"block {k} registered before its pages were backed"
+    pool.close()
 
 
 def test_host_pool_maps_what_the_kernel_grants(tmp_path):

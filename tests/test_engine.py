@@ -336,7 +336,7 @@ def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypa
     state = {f"t{i}": torch.randn(1000 + i) for i in range(50)}
     with tiered.Engine.from_config(tier_config("zstd")) as engine:
         engine.reserve(state)
-        assert made == [50]
+        assert engine.wait_pinned(60) and made == [50]
         for step in (1, 2):
             engine.save(step, state).wait()
         assert made == [50], "the saves made the records again"

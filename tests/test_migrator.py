@@ -663,7 +663,6 @@ def test_windows_are_read_in_file_order_at_most_the_readers_parallel_reads_at_on
     shared filesystem's reads more (`SHARED_PARALLEL_READS`), and a reader that does not say,
     `_READERS`. Reads start in file order."""
     import threading
-    import time
 
     from tiered.format.manifest import present_ranks
     from tiered.stage.cpu import WindowBuffers, chunk_windows, file_order

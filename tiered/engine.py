@@ -78,9 +78,7 @@ class Engine:
         return cls(load_config(source))
 
     __enter__ = lambda self: self  # noqa: E731
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(raise_errors=exc_type is None)
+    __exit__ = lambda self, exc_type, exc, tb: self.close(raise_errors=exc_type is None)  # noqa: E731
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -171,9 +169,9 @@ class Engine:
         bytes) now, in the background, rather than during the first save that needs it.
 
         Call it once the state exists (after the first step: the optimizer makes its state), after
-        `guard`. Given the state dict it also decides `codec: auto` from a sample of it, plans and
-        lays out its saves and runs their kernels once; under torch.distributed it plans with DCP,
-        so every rank calls it, as `save` (`local`: as `save(..., local=True)`)."""
+        `guard`. Given the state dict it also decides `codec: auto` from a sample, plans, lays out its
+        saves and runs their kernels once, on another thread (the call walks it); under torch.distributed
+        it plans with DCP first, so every rank calls it, as `save` (`local`: as `save(..., local=True)`)."""
         if not isinstance(state, int):
             with self._api_lock, tree.collector_paused():
                 state = (self._dist.reserve(state) if not local and self._distributed()
@@ -181,8 +179,9 @@ class Engine:
         self.workers.host.want(state)
 
     def wait_pinned(self, timeout: float | None = None) -> bool:
-        """Wait until `reserve`'s host memory is pinned and the save kernels compiled (True); `timeout`: s for both."""
-        return self.workers.wait_ready(timeout)
+        """Wait until `reserve`'s work is done, its host memory pinned and the save kernels compiled (True); `timeout`: s."""
+        t0 = time.monotonic()
+        return self.saves.wait_reserved(timeout) and self.workers.wait_ready(timeout and max(0.0, timeout + t0 - time.monotonic()))
 
     def order_updates(self) -> None:
         """Order the current CUDA streams after every guarded save's reads (what a guarded optimizer step does)."""
@@ -252,6 +251,7 @@ class Engine:
         a copy that cannot be opened is read from the next slower tier instead (logged). Under
         torch.distributed, from each node's tiers and peers first (tiered.distributed.peers)."""
         self._check_open()
+        self.saves.wait_reserved()  # (it readies the GPU devices a restore uses too)
         self.saves.raise_failure()
         t0 = time.perf_counter()
         with self._api_lock, tree.collector_paused():  # (metadata, indexes, plans: no cycles; see collector_paused)

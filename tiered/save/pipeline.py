@@ -1,31 +1,17 @@
 """The save pipeline: plan -> stage -> write extents -> fsync -> index -> commit.
 
-`SavePipeline.save(step, state_dict)` runs the first two stages in the caller's thread and
-returns a `SaveHandle` once the state may change again; one background writer thread, in save
-order, runs the rest. `Engine.save`, the distributed save (tiered.distributed.saver) and DCP's
-StorageWriter (tiered.distributed.storage) all call it; the last two with ``rank_only``, which stops
-after this rank's index, because the step is committed once every rank's files are durable.
-
-    save(step, state)                                        caller's thread
-      -> check (open, earlier background failure, step)     raised here
-      -> begin the step on the tier that takes it             tiered.save.placement: fast, or next_tier
-      -> plan (tiered.stage.plan: flatten, group, codec per tensor; cached across saves)
-      -> stage: GPU tensors packed + compressed on a side stream (tiered.gpu.device: the compressed copy
-         is the snapshot), CPU tensors copied into host staging (tiered.stage.cpu)   -> returns
-         (with `guard(optimizer)`: the stage runs on the stager thread instead, `save()`
-         returns at once, and the optimizer's next step waits for the reads: tiered.stage.overlap;
-         once a guarded save has learned the state's structure, the stager thread also walks
-         and plans the next ones, and their call clones what is unguarded and returns; a
-         distributed save's too, DCP's plan with it: `save_later`)
-    writer thread, per staged segment, in order:
-      -> CPU segments encoded on the codec pool; GPU rows checksummed on the GPU; tensors stored
-         as they are (`codec: none`) copied to host pages, checksummed on two low-priority threads
-      -> each chunk placed at the next aligned offset; runs of rows written as one extent
-         (from the GPU, or drained through pinned host memory where the state outgrows the slab)
-      -> data file closed (fsync)                             tiered.save.write
-      -> the rank's index written (fsync'd temporary + rename)
-      -> the manifest committed, last                          `_write` (not with rank_only)
-      -> hooks told (the migrator queues the step)             `notify_committed`
+`SavePipeline.save(step, state_dict)` checks, begins the step on the tier that takes it
+(tiered.save.placement), plans (tiered.stage.plan, cached across saves) and stages in the caller's
+thread: GPU tensors compressed on a side stream (tiered.gpu.device: the compressed copy is the
+snapshot), CPU tensors copied into host staging (tiered.stage.cpu); then it returns a `SaveHandle`.
+With `guard(optimizer)` the stage runs on the stager thread instead and the optimizer's next step
+waits for the reads (tiered.stage.overlap); once a guarded save has learned the state's structure,
+that thread also walks and plans the next ones (`save_later` for a distributed save). One writer
+thread, in save order, encodes, checksums, places and writes each staged segment, closes the data
+file (fsync), writes the rank's index and commits the manifest last (tiered.save.write; not with
+``rank_only``, whose step is committed once every rank's files are durable: `Engine.save`'s
+distributed path and DCP's StorageWriter), then tells the hooks (the migrator queues the step).
+The whole path: docs/architecture.md, "Save".
 
 A failed save never becomes visible (its manifest is never written) and its files are
 discarded; it is logged, recorded, and raised by its handle's own `wait()`. Whether the next
@@ -55,6 +41,7 @@ from tiered.save.failures import SaveFailures
 from tiered.save.fast_codec import FastTierCodec
 from tiered.save.handle import RankFiles, SaveHandle
 from tiered.save.placement import StepTier
+from tiered.save.reserve import Reservation
 from tiered.save.write import END, Job, commit_step, complete_after, drain, settle, write_rank
 from tiered.stage import cpu, host_copy
 from tiered.stage.overlap import (Guard, Guarded, Learned, clone_after, deferred_plan, overlap_plan, recorded, say_new,
@@ -117,6 +104,8 @@ class SavePipeline:
         self._logged_new = False
         self._logged_defer = False
         self._stage_after = StageAfter()
+        self._reservation = Reservation()
+        """`reserve`'s work on a thread of its own."""
         """How long after a call the stager thread starts an overlapped save (`guard`'s `stage_after_ms`)."""
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
@@ -137,6 +126,7 @@ class SavePipeline:
         (the longest of the standing guards'; "auto": tiered.stage.stage_after), unless something waits
         for it first."""
         after = stage_after_seconds(stage_after_ms)  # (ValueError before anything is guarded)
+        self._reservation.wait()  # (what it learns depends on the guards)
         self._guards.append(optimizer)
         self._stage_after.set(optimizer, after)
         if defer_walk is None:
@@ -211,36 +201,44 @@ class SavePipeline:
 
     # --- for the engine, the distributed save and DCP storage ----------------------------------
     def reserve(self, state_dict: Any, *, rank_only: bool = False) -> int:
-        """For `Engine.reserve`, at start-up (under torch.distributed, `rank_only`: this rank's
-        items of the plan DCP made, `DistributedSaver.reserve`): ready the GPUs for saves of
-        `state_dict` (streams, the checksum kernel compiled), decide `codec: auto` from a sample
-        of it (`FastTierCodec.at_reserve`), plan it as `save` does, lay it out
-        in each GPU's pack buffer and run the save's kernels once (`GpuDevice.prepare`), so that
-        the first save of its structure reuses the plan and the layout and loads no kernel.
-        Returns its tensors' bytes."""
+        """For `Engine.reserve` (`rank_only`: this rank's items of DCP's plan): walk `state_dict`
+        here, as `save` does, and ready saves of it on another thread (`_ready`). Its tensors' bytes."""
         self.wait_planned()
         t0 = time.perf_counter()
-        leaves = tree.flatten(state_dict, share=not rank_only)[1]  # (as `save` flattens it)
+        leaves = tree.flatten(state_dict, share=not rank_only)[1]
         walked_s = time.perf_counter() - t0
         structure = tree.structure_of(state_dict)
-        tensors = [leaf.tensor for leaf in leaves]
-        self.workers.prepare(tensors)
-        if self.codec.pending:  # codec: auto decides now, not beside training after the first save
-            self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready))
-        t1 = time.perf_counter()
-        made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready, structure)
-        walked_ms = 1e3 * (walked_s + time.perf_counter() - t1)  # (a guarded save's call learns by the same rule)
-        if self._guards and not (rank_only and self._walk_auto) and self._walk_defers(walked_ms):
-            self._learn(made)
-            self._say_defers("reserve()", "the first", len(made.tensors), walked_ms)
-        for index, plans in made.gpu.items():
-            self.workers.device(index).prepare(plans, tensors)
-        copied, rest = self._cpu_copies.split(made.cpu)
-        if copied:
-            self._cpu_copies.layout(copied)
-        cpu.prepare(rest)
+        self._reservation.start(lambda: self._ready(leaves, structure, walked_s, rank_only))
+        return sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in leaves)
+
+    def _ready(self, leaves: list[tree.Leaf], structure: Any, walked_s: float, rank_only: bool) -> None:
+        """On the reservation's thread: the GPUs readied, `codec: auto` decided from a sample, the
+        state planned as `save` plans it, laid out and its kernels run once (`GpuDevice.prepare`):
+        the first save of its structure reuses all of it and loads no kernel."""
+        with tree.collector_paused():
+            tensors = [leaf.tensor for leaf in leaves]
+            self.workers.prepare(tensors)
+            if self.codec.pending:  # codec: auto decides now, not beside training after the first save
+                self.codec.at_reserve(make_plan(leaves, self.codec.codec, self.config.chunk_size,
+                                                self.workers.gpu_ready))
+            t1 = time.perf_counter()
+            made = self._plans.plan(leaves, self.codec.codec, self.config.chunk_size, self.workers.gpu_ready,
+                                    structure)
+            walked_ms = 1e3 * (walked_s + time.perf_counter() - t1)  # (a guarded save's call learns by the same rule)
+            if self._guards and not (rank_only and self._walk_auto) and self._walk_defers(walked_ms):
+                self._learn(made)
+                self._say_defers("reserve()", "the first", len(made.tensors), walked_ms)
+            for index, plans in made.gpu.items():
+                self.workers.device(index).prepare(plans, tensors)
+            copied, rest = self._cpu_copies.split(made.cpu)
+            if copied:
+                self._cpu_copies.layout(copied)
+            cpu.prepare(rest)
         tree.age_kept()  # (last: what the caller made for the saves, under torchrun too, is made by now)
-        return made.raw_bytes
+
+    def wait_reserved(self, timeout: float | None = None) -> bool:
+        """Wait until the last `reserve`'s background work is done (True), at most `timeout` s."""
+        return self._reservation.wait(timeout)
 
     def on_commit(self, hook: Callable[[int], None]) -> None:
         """Call `hook(step)` once each step is committed (on this node), before anyone waiting
@@ -491,7 +489,8 @@ class SavePipeline:
 
     def wait_planned(self) -> None:
         """Before a save plans on the caller's thread: every deferred save is planned (one plan
-        cache, and a distributed save's collectives, on one thread at a time)."""
+        cache, and a distributed save's collectives, on one thread at a time), and so is `reserve`."""
+        self._reservation.wait()
         with self._lock:
             jobs = [job for job in self._unordered if job.plan is None]
         for job in jobs:
@@ -551,6 +550,7 @@ class SavePipeline:
     def close(self) -> None:
         """Stop the writer once its queue is done, and join the pipeline's other threads."""
         self.closed = True
+        self._reservation.wait(raise_errors=False)
         self._hurry_all()
         if self._stager is not None:
             self._stage_queue.put(None)
