@@ -117,6 +117,13 @@ class GpuDevice:
     def device(self) -> torch.device:
         return torch.device("cuda", self.index)
 
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of the save slab: what a save's compressed chunks may hold on the GPU before the
+        rest drains through pinned host memory (0 before the first save sizes it)."""
+        slab = self._slab
+        return 0 if slab is None else slab.numel()
+
     def clock_next_stage(self) -> EncodeClock:
         """Time the encodes of the next `stage` call on the GPU (`EncodeClock`)."""
         self._clock = EncodeClock()
@@ -286,9 +293,15 @@ class GpuDevice:
         t0 = clock()
         if not any(p.nbytes for p in plans):
             return after if after is not None else _recorded(torch.cuda.current_stream(self.device))
-        self._ensure({p.spec for p in plans}, sum(p.nchunks for p in plans))
+        nchunks = sum(p.nchunks for p in plans)
+        self._ensure({p.spec for p in plans}, nchunks)
         ring, stride, pack = self._ring, self._stride, self._pack
         assert ring is not None and pack is not None
+        drain = nchunks > ring.rows
+        if drain:  # (first: a first save's pinning starts before its layout is built; raw bytes bound
+            # what drains: many small tensors fill a fraction of their rows)
+            self._plan_drain(min((nchunks - ring.rows) * self.chunk_size, sum(p.nbytes for p in plans)),
+                             ring.rows * stride)
         layout = self._layout
         if layout is None or not layout.fits(plans, pack, ring.rows, stride):
             layout = self._layout = Layout.build(plans, pack, ring.rows, stride, self.chunk_size, self.zstd)
@@ -299,10 +312,6 @@ class GpuDevice:
         # No record_stream per tensor (90-121 ms of this thread for 7,880 tensors on an H100;
         # 2.7 ms without): the caller holds the tensors until the returned event (`stage`).
         t["layout_ms"] = 1e3 * (clock() - t0)
-        drain = layout.nchunks > ring.rows
-        if drain:  # (raw bytes bound what drains: many small tensors fill a fraction of their rows)
-            self._plan_drain(min((layout.nchunks - ring.rows) * self.chunk_size, sum(p.nbytes for p in plans)),
-                             ring.rows * stride)
         remaining = layout.nchunks
         encode_clock, self._clock = self._clock, None
         contiguous: dict[int, torch.Tensor] = {}
