@@ -212,6 +212,20 @@ def rss() -> int:
     return 0
 
 
+def forward_backward_ms(step_fn: Callable[..., Any], device: str, steps: int = 3) -> float:
+    """The median time of a training step's forward and backward alone (ms): each of `steps` steps
+    timed from a synced start to just before its optimizer update, synced there too. What a
+    guarded save's reads overlap before the optimizer step waits for them (the floor's part)."""
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0, box = time.perf_counter(), []
+        step_fn(before_update=lambda: (sync(device), box.append(time.perf_counter())))
+        sync(device)
+        times.append(box[0] - t0)
+    return round(1e3 * statistics.median(times), 1)
+
+
 class Window:
     """Runs `steps` training steps; a save may be started before one of them."""
 

@@ -37,12 +37,22 @@ def tiered_engine(run: Run) -> Any:
             doc["budgets"] = {"pack_buffer": run.pack_buffer}
         rss0, gpu0, t0 = rss(), gpu_free(run.device), time.perf_counter()
         engine = run.shared["engine"] = tiered.Engine.from_config(doc)
+        t1 = time.perf_counter()
         engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
+        call = time.perf_counter() - t1
         engine.wait_pinned()
         run.shared.update(pin_s=round(time.perf_counter() - t0, 1), pin_rss=rss() - rss0, gpu_free0=gpu0,
-                          config=(run.codec, run.pack_buffer))
-        say(f"#   tiered engine: host staging memory pinned in {run.shared['pin_s']} s")
+                          config=(run.codec, run.pack_buffer), reserve_call_ms=[round(1e3 * call, 1)])
+        say(f"#   tiered engine: reserve() returned in {1e3 * call:.1f} ms; host staging memory pinned in "
+            f"{run.shared['pin_s']} s")
     return engine
+
+
+def plain_doc(run: Run) -> dict:
+    """The README's first snippet's engine: the embedded default config, only the tier's path changed."""
+    cfg = tiered.load_config(None)
+    return {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered-plain"),
+                       **({} if run.codec == "auto" else {"codec": run.codec})}]}
 
 
 def close_shared(run: Run) -> None:
@@ -54,8 +64,11 @@ def close_shared(run: Run) -> None:
             shutil.rmtree(run.root / "tiered", ignore_errors=True)
 
 
-def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
-    engine = tiered_engine(run)
+def _tiered_row(row: Row, run: Run, base: float, first_step: int, engine: Any = None) -> None:
+    """A tiered row's saves and restore check, on the size's shared engine (reserved, pinned), or on
+    `engine` (the plain row's, made for it)."""
+    shared = engine is None
+    engine = tiered_engine(run) if shared else engine
     handles: dict[int, Any] = {}
 
     def save(n: int):
@@ -73,10 +86,15 @@ def _tiered_row(row: Row, run: Run, base: float, first_step: int) -> None:
 
     prints = measure(row, run, base, save, durable,
                      lambda n: rank() == 0 and engine.catalog.fast.delete(first_step + n),
-                     gpu_free0=run.shared["gpu_free0"])  # (all the engine holds, from before it was made)
-    row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
-    row.extra["pin_s"] = run.shared["pin_s"]
+                     gpu_free0=run.shared["gpu_free0"] if shared else None)  # (all the engine holds, from before it was made)
+    if shared:
+        row.host_taken += run.shared["pin_rss"]  # the pinned pool, made before the windows
+        row.extra["pin_s"] = run.shared["pin_s"]
+        row.extra["reserve_call_ms"] = run.shared["reserve_call_ms"]
     row.extra["codec"] = engine.fast_codec  # the policy's choice for the warm saves (codec: auto)
+    if run.device == "cuda" and engine.gpu_codecs:
+        row.extra["slab_bytes"] = engine.workers.device(torch.cuda.current_device()).slab_bytes
+        row.extra["wave_bytes"] = engine.config.budgets.pack_buffer
     timings = [h.timings for step, (h, _) in sorted(handles.items())][:run.saves]  # (not a traced save's)
     for rec, t in zip(row.saves, timings):  # when each save's reads began and ended
         rec["timings_ms"] = {k: round(t[k], 1) for k in ("step_after_ms", "stage_after_ms", "staged_ms") if k in t}
@@ -99,10 +117,29 @@ def run_tiered(row: Row, run: Run, base: float) -> None:
     _tiered_row(row, run, base, 0)
 
 
+def run_plain(row: Row, run: Run, base: float) -> None:
+    """The README's first snippet: an engine made from the default config, no `guard`, no
+    `reserve`: its first save plans, lays out and pins inside the save (the row's first save),
+    and its warm saves are strict ones."""
+    close_shared(run)  # (the shared engine's pinned memory goes first)
+    engine = tiered.Engine.from_config(plain_doc(run))
+    try:
+        _tiered_row(row, run, base, 400, engine)
+        row.extra["host_pinned_bytes"] = engine.workers.host.pinned_bytes
+    finally:
+        engine.close()
+        barrier()
+        if rank() == 0:
+            shutil.rmtree(run.root / "tiered-plain", ignore_errors=True)
+
+
 def run_tiered_overlap(row: Row, run: Run, base: float, defer_walk: bool | None = None) -> None:
     engine = tiered_engine(run)
     guards = [engine.guard(opt, defer_walk=defer_walk, stage_after_ms=run.stage_after_ms) for opt in run.optimizers]
+    t0 = time.perf_counter()
     engine.reserve(run.state)  # (again, guarded now, as a loop that guards at set-up and reserves after its first step)
+    run.shared["reserve_call_ms"] = run.shared["reserve_call_ms"][:1] + [round(1e3 * (time.perf_counter() - t0), 1)]
+    engine.wait_pinned()
     try:
         _tiered_row(row, run, base, {None: 100, True: 200, False: 300}[defer_walk])
     finally:
@@ -373,6 +410,8 @@ def run_d2h_load(row: Row, run: Run, base: float) -> None:
 
 METHODS = {
     "tiered": (run_tiered, "Engine.save, embedded default config"),
+    "tiered_plain": (run_plain, "the README's first snippet: the default config, no guard, no reserve (its first save "
+                                "pins and lays out inside the save; warm saves strict); its own engine"),
     "tiered_overlap": (run_tiered_overlap, "the same engine with engine.guard(optimizer): the state is read beside "
                                            "the next forward and backward; the optimizer step waits for it; once "
                                            "a call's walk took 10 ms, the stager thread walks the state"),
