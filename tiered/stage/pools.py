@@ -326,7 +326,7 @@ class HostPool:
         elif self.pinned_bytes < min(nbytes, self.capacity) and "pin" not in warned:
             warned.add("pin")
             log.warning("tiered: %s: this save %s through pinned host memory and %s is pinned: the rest is pinned "
-                        "now, in the background, and this save waits for it (~0.3-0.5 s per GB, once). "
+                        "now, in the background, and this save waits for it (once: seconds for tens of GB). "
                         "engine.reserve(state) at start-up does this before the first save", where, what,
                         format_size(self.pinned_bytes))
         self.want(nbytes)
