@@ -104,9 +104,9 @@ class SavePipeline:
         self._logged_new = False
         self._logged_defer = False
         self._stage_after = StageAfter()
+        """How long after a call the stager thread starts an overlapped save (`guard`'s `stage_after_ms`)."""
         self._reservation = Reservation()
         """`reserve`'s work on a thread of its own."""
-        """How long after a call the stager thread starts an overlapped save (`guard`'s `stage_after_ms`)."""
         self._stager: threading.Thread | None = None
         self._stage_queue: "queue.Queue[Job | None]" = queue.Queue()
         self.records = RecordLog(records_root(config))
