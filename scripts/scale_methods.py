@@ -51,8 +51,11 @@ def tiered_engine(run: Run) -> Any:
 def plain_doc(run: Run) -> dict:
     """The README's first snippet's engine: the embedded default config, only the tier's path changed."""
     cfg = tiered.load_config(None)
-    return {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered-plain"),
-                       **({} if run.codec == "auto" else {"codec": run.codec})}]}
+    doc: dict = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered-plain"),
+                            **({} if run.codec == "auto" else {"codec": run.codec})}]}
+    if run.pack_buffer is not None:  # (`tiered_plain/SIZE`)
+        doc["budgets"] = {"pack_buffer": run.pack_buffer}
+    return doc
 
 
 def close_shared(run: Run) -> None:
