@@ -235,6 +235,28 @@ def test_answers_lost_after_the_server_acted_leave_nothing_behind(tmp_path, serv
         proxy.close()
 
 
+def test_a_lost_answer_to_the_manifest_leaves_the_writers_own_commit_whole(tmp_path, server, bucket, caplog):
+    """The server stores the manifest and its answer is lost; the client sends it again and the
+    server refuses it (If-None-Match). The manifest there is this writer's own (its folder, its
+    bytes): the step is committed once, with its files (taking it for another writer's commit
+    discarded the very files it names)."""
+    proxy = FaultProxy(server.endpoint_url)
+    try:
+        with Engine.from_config(config(tmp_path, bucket, proxy.endpoint_url)) as engine:
+            engine.wait_migrated(timeout=60)
+            # (the step's objects: the data file in parts, then the index and the manifest, PutObject 1 and 2)
+            proxy.before("PutObject", 2, lambda: proxy.lose_answer("PutObject", times=1))
+            with caplog.at_level(logging.WARNING, logger="tiered"):
+                engine.save(1, state(1)).wait()
+                engine.wait_migrated(timeout=180)  # raises if the migration failed
+            assert [op for op, _ in proxy.injected("answer")] == ["PutObject"], proxy.log
+            assert [op for op, _ in proxy.log].count("PutObject") == 3, "the manifest went out twice"
+            check_on_s3(engine, server, bucket, 1)
+            assert "another writer" not in caplog.text
+    finally:
+        proxy.close()
+
+
 def test_4xx_answers_fail_on_the_first_attempt_with_a_clear_message(tmp_path, server, bucket, monkeypatch):
     proxy = FaultProxy(server.endpoint_url)
     try:

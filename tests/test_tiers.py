@@ -202,6 +202,23 @@ class TestS3Tier(TierContract):
         assert keys == [f"runs/run-1/step_000000000001/{n}" for n in
                         (MANIFEST_NAME, f"{folder}/rank_00000.data", f"{folder}/rank_00000.index.json")]
 
+    def test_objects_gone_before_the_commit_are_not_committed(self, tier, s3_server):
+        """An object this writer uploaded that the server no longer lists (removed under it, or
+        lost by the server) keeps the manifest from being put: the step is not committed, the
+        error says why, and the next attempt commits it whole."""
+        from helpers import s3_client
+
+        self.write_step(tier, 3, extents(3), commit=False)
+        data_key = next(k for k in self.names(tier) if k.endswith("rank_00000.data"))
+        s3_client(s3_server).delete_object(Bucket=tier.bucket, Key=data_key)
+        with pytest.raises(TieredError, match=r"step 3: 1 object\(s\) uploaded to tier 's3' are gone or of another "
+                                              r"size before the commit .*rank_00000\.data"):
+            tier.commit(3, b'{"manifest": 3}')
+        assert not tier.has_step(3) and MANIFEST_NAME not in {k.rsplit("/", 1)[-1] for k in self.names(tier)}
+        self.write_step(tier, 3, extents(3))  # the next attempt: a folder of its own, committed whole
+        assert tier.has_step(3)
+        assert bytes(tier.open_data_reader(3, "rank_00000.data", device=False).read_host(0, 4096)) == extents(3)[0][:4096]
+
     def test_unfinished_multipart_uploads_are_aborted(self, tier):
         tier.begin_step(2)
         w = tier.open_data_writer(2, "rank_00000.data", device=False)

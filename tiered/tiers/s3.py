@@ -76,6 +76,8 @@ class S3Tier:
         """Steps this object writes alone -> the folder (writer id) of their files."""
         self._folders: dict[int, str] = {}
         """Committed steps -> the folder of their files ('' directly in the step), as read."""
+        self._uploaded: dict[str, int] = {}
+        """Objects this writer uploaded into its folders (`note_upload`) -> their sizes, until committed."""
 
     def __repr__(self) -> str:
         return f"S3Tier({self.name!r}, {self.root!r})"
@@ -157,6 +159,7 @@ class S3Tier:
             raise committed_error(self.name, step, self.describe(step, ''))
         with self._lock:
             old, self._writing[step] = self._writing.get(step), new_writer_id()
+        self._forget_uploads(self._key(step))  # (an earlier attempt's)
         if old is not None:
             abandon(old)
             self._remove_prefix(self._key(step, old) + "/", f"step {step}'s abandoned attempt")
@@ -266,7 +269,36 @@ class S3Tier:
                             part_size_for(size_hint, self.part_size, self.max_concurrency))
 
     def write_file(self, step: int, name: str, data: bytes) -> None:
-        self._put(self._file_key(step, name, "file name"), data)
+        key = self._file_key(step, name, "file name")
+        self._put(key, data)
+        self.note_upload(key, len(data))
+
+    def note_upload(self, key: str, size: int) -> None:
+        """`key` was uploaded, `size` bytes (the commit checks the server still lists it)."""
+        with self._lock:
+            self._uploaded[key] = size
+
+    def _lost_uploads(self, step: int, folder: str) -> list[str]:
+        """What this writer uploaded into `folder` of `step` that the server no longer lists at the
+        size it was written (removed under it, or lost by a server that had acknowledged it): the
+        commit names none of it (one listing of the folder)."""
+        prefix = self._key(step, folder) + "/"
+        with self._lock:
+            want = {k: n for k, n in self._uploaded.items() if k.startswith(prefix)}
+        if not want:
+            return []
+        got = {o["Key"]: int(o["Size"]) for o in self._list(prefix, details=True)}
+        return sorted(k for k, n in want.items() if got.get(k) != n)
+
+    def _forget_uploads(self, prefix: str) -> None:
+        with self._lock:
+            for key in [k for k in self._uploaded if k.startswith(prefix)]:
+                del self._uploaded[key]
+
+    def _lost_error(self, step: int, lost: list[str]) -> TieredError:
+        return TieredError(f"step {step}: {len(lost)} object(s) uploaded to tier {self.name!r} are gone or of another "
+                           f"size before the commit ({self.url(lost[0])}{', ...' if len(lost) > 1 else ''}): removed "
+                           "while the step was written, or lost by the server; the step is not committed there")
 
     def _put(self, key: str, data: bytes, **extra: Any) -> None:
         try:
@@ -286,6 +318,9 @@ class S3Tier:
         if replace and folder is None:
             raise TieredError(f"step {step}: a replacing commit needs the copy built aside (begin_step)")
         meta = {"Metadata": {FILES_META: folder}} if folder else {}
+        lost = self._lost_uploads(step, folder) if folder else []
+        if lost:
+            raise self._lost_error(step, lost)
         try:
             if replace:
                 self.client.put_object(Bucket=self.bucket, Key=key, Body=manifest, **meta)
@@ -295,8 +330,11 @@ class S3Tier:
             code = error_code(exc)
             if code not in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
                 raise client_error(exc, f"{self.url(key)}: upload failed") from None
-            if folder is None and self.read_manifest(step) == manifest:
-                pass  # another node committed the same distributed step: done
+            if self.read_manifest(step) == manifest and self._folder(step) == (folder or ""):
+                # This writer's own manifest, whose first attempt the server carried out before its
+                # answer was lost (the client sent it again: a server killed as it answered); or,
+                # without a folder, another node's commit of the same distributed step. Done.
+                pass
             else:
                 raise TieredError(f"step {step} was committed in tier {self.name!r} ({self.describe(step, '')}) by "
                                   "another writer while this one wrote it: steps are immutable, this copy is "
@@ -304,6 +342,8 @@ class S3Tier:
         with self._lock:
             self._writing.pop(step, None)
             self._folders[step] = folder or ""
+        if folder:
+            self._forget_uploads(self._key(step, folder) + "/")
         if replace:
             self._remove_others(step, folder)
         try:

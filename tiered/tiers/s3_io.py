@@ -172,6 +172,7 @@ class S3DataWriter:
             raise client_error(exc, f"{self.tier.url(self.key)}: upload failed") from None
         self.tier.spare.give(self._buf)
         self._buf, self._fill = bytearray(), 0
+        self.tier.note_upload(self.key, self._end)
         return self._end
 
     def abort(self) -> None:
