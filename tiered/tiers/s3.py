@@ -77,7 +77,8 @@ class S3Tier:
         self._folders: dict[int, str] = {}
         """Committed steps -> the folder of their files ('' directly in the step), as read."""
         self._uploaded: dict[str, int] = {}
-        """Objects this writer uploaded into its folders (`note_upload`) -> their sizes, until committed."""
+        """Objects this writer uploaded into its folders (`note_upload`) -> their sizes, until the
+        step is committed or discarded."""
 
     def __repr__(self) -> str:
         return f"S3Tier({self.name!r}, {self.root!r})"
@@ -197,6 +198,7 @@ class S3Tier:
         with self._lock:
             folder = self._writing.pop(step, None)
         if folder is not None:
+            self._forget_uploads(self._key(step, folder) + "/")
             abandon(folder)  # (what a failed removal leaves, `reclaim_debris` takes later)
             self._remove_prefix(self._key(step, folder) + "/", f"step {step}'s uncommitted objects")
 
@@ -274,9 +276,11 @@ class S3Tier:
         self.note_upload(key, len(data))
 
     def note_upload(self, key: str, size: int) -> None:
-        """`key` was uploaded, `size` bytes (the commit checks the server still lists it)."""
+        """`key` was uploaded, `size` bytes: where it lies in a folder this writer is writing, the
+        commit checks the server still lists it (kept until the step is committed or discarded)."""
         with self._lock:
-            self._uploaded[key] = size
+            if any(key.startswith(self._key(step, folder) + "/") for step, folder in self._writing.items()):
+                self._uploaded[key] = size
 
     def _lost_uploads(self, step: int, folder: str) -> list[str]:
         """What this writer uploaded into `folder` of `step` that the server no longer lists at the
