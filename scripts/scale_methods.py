@@ -30,13 +30,8 @@ def tiered_engine(run: Run) -> Any:
         close_shared(run)
         engine = None
     if engine is None:
-        cfg = tiered.load_config(None)
-        doc: dict = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered"),
-                                **({} if run.codec == "auto" else {"codec": run.codec})}]}
-        if run.pack_buffer is not None:
-            doc["budgets"] = {"pack_buffer": run.pack_buffer}
         rss0, gpu0, t0 = rss(), gpu_free(run.device), time.perf_counter()
-        engine = run.shared["engine"] = tiered.Engine.from_config(doc)
+        engine = run.shared["engine"] = tiered.Engine.from_config(engine_doc(run, "tiered"))
         t1 = time.perf_counter()
         engine.reserve(run.state)  # the start-up line that keeps pinning and laying out off the first save
         call = time.perf_counter() - t1
@@ -48,12 +43,13 @@ def tiered_engine(run: Run) -> Any:
     return engine
 
 
-def plain_doc(run: Run) -> dict:
-    """The README's first snippet's engine: the embedded default config, only the tier's path changed."""
+def engine_doc(run: Run, folder: str) -> dict:
+    """A tiered row's config: the embedded default's, its tier at `run.root / folder`, and the
+    row's codec and pack buffer where its name pins them (`ROW:CODEC`, `ROW/SIZE`)."""
     cfg = tiered.load_config(None)
-    doc: dict = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / "tiered-plain"),
+    doc: dict = {"tiers": [{"name": cfg.fast_tier.name, "kind": "local", "path": str(run.root / folder),
                             **({} if run.codec == "auto" else {"codec": run.codec})}]}
-    if run.pack_buffer is not None:  # (`tiered_plain/SIZE`)
+    if run.pack_buffer is not None:
         doc["budgets"] = {"pack_buffer": run.pack_buffer}
     return doc
 
@@ -125,7 +121,7 @@ def run_plain(row: Row, run: Run, base: float) -> None:
     `reserve`: its first save plans, lays out and pins inside the save (the row's first save),
     and its warm saves are strict ones."""
     close_shared(run)  # (the shared engine's pinned memory goes first)
-    engine = tiered.Engine.from_config(plain_doc(run))
+    engine = tiered.Engine.from_config(engine_doc(run, "tiered-plain"))
     try:
         _tiered_row(row, run, base, 400, engine)
         row.extra["host_pinned_bytes"] = engine.workers.host.pinned_bytes
