@@ -200,3 +200,16 @@ def exit_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def cpu_scale_bench(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """Run scripts/bench.py's scale mode, tiny, on the CPU (`--scale 0.02 --train one
+    --window-steps 1`, the local tier under `tmp_path / "bench"`) with `args`; it must exit 0.
+    Returns (the size's results, what it printed)."""
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "bench.py"),
+                          "--device", "cpu", "--scale", "0.02", "--train", "one", "--window-steps", "1",
+                          "--dir", str(tmp_path / "bench"), "--out", str(out), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())["scale"][0], run.stdout

@@ -4,27 +4,24 @@ a save's stall in each, and each step's time to the shared tier, run end to end 
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import cpu_scale_bench
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.mark.parametrize("row", ["migration", "migration:in_process"])
 def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(tmp_path, row):
-    root, out = tmp_path / "bench", tmp_path / "out.json"
+    root = tmp_path / "bench"
     # The default mode's row with its shared tier elsewhere (`--shared-dir`), the thread's under --dir.
     shared = tmp_path / "elsewhere" / "shared"
     elsewhere = ["--shared-dir", str(shared)] if row == "migration" else []
-    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
-                          "one", "--saves", "3", "--window-steps", "1", "--methods", row, "--dir", str(root),
-                          "--out", str(out), *elsewhere], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    [got] = json.loads(out.read_text())["scale"][0]["rows"]
+    size, printed = cpu_scale_bench(tmp_path, "--saves", "3", "--methods", row, *elsewhere)
+    [got] = size["rows"]
     assert got["name"] == row and got["error"] is None, got["error"]
     m = got["migration"]
     assert m["mode"] == ("in_process" if row.endswith("in_process") else "process")
@@ -36,11 +33,11 @@ def test_the_migration_row_measures_training_beside_the_migrator_and_cleans_up(t
     assert m["migrate_gbps"] > 0
     assert m["shared_codecs"] == ["zstd"] and m["stored_bytes_shared"] > 0
     assert got["restore_s"] is None, "no restore: the row is not one of the bit-exact checks"
-    assert f"{row} (" in run.stdout and "while a step migrates" in run.stdout, run.stdout[-2000:]
+    assert f"{row} (" in printed and "while a step migrates" in printed, printed[-2000:]
     assert not root.exists(), "both tiers deleted with the bench's root"
     assert not shared.exists(), "a shared tier elsewhere deleted with the row"
     if elsewhere:
-        assert str(shared) in json.loads(out.read_text())["scale"][0]["rows"][0]["migration"]["shared_root"]
+        assert str(shared) in got["migration"]["shared_root"]
 
 
 def test_the_migration_row_refuses_disks_that_cannot_hold_its_steps(tmp_path):

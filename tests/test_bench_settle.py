@@ -5,22 +5,17 @@ the `no_save` control row with the summary's stalls net of it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import cpu_scale_bench
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def test_the_scale_bench_pauses_before_every_second_save_and_says_which(tmp_path):
-    root, out = tmp_path / "bench", tmp_path / "out.json"
-    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
-                          "one", "--saves", "5", "--window-steps", "1", "--methods", "tiered_overlap",
-                          "--settle-ms", "40", "--dir", str(root), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    [got] = json.loads(out.read_text())["scale"][0]["rows"]
+    size, _ = cpu_scale_bench(tmp_path, "--saves", "5", "--methods", "tiered_overlap", "--settle-ms", "40")
+    [got] = size["rows"]
     assert got["error"] is None and got["restore_bit_exact"] is True
     saves = got["saves"]
     assert [s["settle_ms"] for s in saves] == [0.0, 40.0, 0.0, 40.0, 0.0], "the sixth, after the fingerprint, apart"
@@ -74,17 +69,13 @@ def test_the_scale_bench_leads_each_window_without_a_save_in_with_training_not_m
 
 
 def test_the_scale_benchs_control_row_saves_nothing_and_the_summary_nets_the_rows_of_it(tmp_path):
-    root, out = tmp_path / "bench", tmp_path / "out.json"
-    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
-                          "one", "--saves", "3", "--window-steps", "1", "--lead-in-s", "0.05", "--methods",
-                          "no_save:0.2,tiered_overlap", "--dir", str(root), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    control, tiered = json.loads(out.read_text())["scale"][0]["rows"]
+    size, printed = cpu_scale_bench(tmp_path, "--saves", "3", "--lead-in-s", "0.05", "--methods",
+                                    "no_save:0.2,tiered_overlap")
+    control, tiered = size["rows"]
     assert control["name"] == "no_save:0.2" and control["stored_bytes"] == 0 and control["restore_s"] is None
     assert all(s["durable_s"] >= 0.2 for s in control["saves"]), control["saves"]  # (its 0.2 s "save" is a sleep)
     net = tiered["warm_stall_ms"]["median"] - control["warm_stall_ms"]["median"]
-    assert f"no_save:0.2 (nothing saved) measured {control['warm_stall_ms']['median']} ms" in run.stdout
-    assert f"tiered_overlap {net:+.1f} ms" in run.stdout, run.stdout[-2000:]
+    assert f"no_save:0.2 (nothing saved) measured {control['warm_stall_ms']['median']} ms" in printed
+    assert f"tiered_overlap {net:+.1f} ms" in printed, printed[-2000:]
     n = tiered["lead_in_windows"]
-    assert n >= 1 and f"(one just before each save, itself right after {n} not measured," in run.stdout
+    assert n >= 1 and f"(one just before each save, itself right after {n} not measured," in printed

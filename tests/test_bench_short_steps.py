@@ -5,10 +5,10 @@ targets they feed."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import cpu_scale_bench
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -60,13 +60,7 @@ def test_short_step_targets_say_floor_dcp_first_save_and_reserve():
 
 
 def test_the_plain_row_saves_without_reserve_on_an_engine_of_its_own(tmp_path):
-    root, out = tmp_path / "bench", tmp_path / "out.json"
-    run = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--device", "cpu", "--scale", "0.02", "--train",
-                          "one", "--saves", "2", "--window-steps", "1", "--lead-in-s", "0", "--methods",
-                          "tiered_overlap,tiered_plain", "--dir", str(root), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    size = json.loads(out.read_text())["scale"][0]
+    size, _ = cpu_scale_bench(tmp_path, "--saves", "2", "--lead-in-s", "0", "--methods", "tiered_overlap,tiered_plain")
     overlap, plain = size["rows"]
     assert size["forward_backward_ms"] > 0
     assert overlap["error"] is None and len(overlap["reserve_call_ms"]) == 2, "reserve() timed, before and after guard"
@@ -74,4 +68,4 @@ def test_the_plain_row_saves_without_reserve_on_an_engine_of_its_own(tmp_path):
     assert "reserve_call_ms" not in plain and "pin_s" not in plain, "its engine was never reserved"
     assert "tiered_plain: first save (no reserve) <= 2 x a warm strict one" in size["targets"]
     assert "no guard, no reserve" in plain["note"]
-    assert not (root / "tiered-plain").exists(), "its tier goes with the row"
+    assert not (tmp_path / "bench" / "tiered-plain").exists(), "its tier goes with the row"
