@@ -240,11 +240,52 @@ def _staged(state: dict, emit):
     return dev
 
 
+def test_checked_sizes_names_the_first_chunk_that_failed():
+    from tiered.codecs.base import checked_sizes
+
+    assert checked_sizes(np.array([5, 7]), np.array([0, 0], dtype=np.int32)) == [5, 7]
+    with pytest.raises(RuntimeError, match=r"chunk 1 of the batch \(status 10; 2 of 3 chunks failed\)"):
+        checked_sizes(np.array([5, 7, 9]), np.array([0, 10, 11], dtype=np.int32))
+
+
 @pytest.mark.gpu
-def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read():
-    """nvCOMP reads a batch's sizes after waiting for its whole codec stream, holding the GIL: a
-    wave queued behind an unread one would make that read wait for it too (tiered.gpu.waves.WaveSizes)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_ans_through_the_c_api_writes_the_python_apis_bitstreams(dtype):
+    """A save encodes ANS through nvCOMP's C API (tiered.codecs._nvcomp_batched) and restores
+    through its Python API: the same chunks give the same sizes and the same bytes both ways."""
+    from tiered.codecs import _nvcomp, _nvcomp_batched
+
+    assert _nvcomp_batched.available()
+    spec = get_codec_class("ans").spec_for(dtype)
+    data_type = get_codec(spec).data_type
+    raw = as_bytes(sample(dtype, 5 * CHUNK + 8192, seed=3)).cuda()
+    offsets = list(range(0, raw.numel(), CHUNK))
+    sizes = [min(CHUNK, raw.numel() - o) for o in offsets]
+    stride = -(-get_codec(spec).max_stored_size(CHUNK) // 4096) * 4096
+    assert stride >= _nvcomp_batched.max_output(CHUNK, data_type)
+    rows = [i * stride for i in range(len(offsets))]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    slabs = [torch.zeros(len(offsets) * stride, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    with torch.cuda.stream(stream):
+        by_python = _nvcomp.encode("ANS", data_type, stream, CHUNK, raw, offsets, sizes, slabs[0], rows, stride).sizes()
+        pending = _nvcomp_batched.encode(data_type, stream, CHUNK, raw, offsets, sizes, slabs[1], rows)
+        by_c = pending.sizes()
+    assert by_c == by_python and all(0 < n < CHUNK for n in by_c[:-1])
+    for r, n in zip(rows, by_c):
+        assert torch.equal(slabs[0][r:r + n], slabs[1][r:r + n])
+    assert pending.statuses.cpu().tolist() == [0] * len(offsets)
+
+
+@pytest.mark.gpu
+def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_read(monkeypatch):
+    """nvCOMP's Python API reads a batch's sizes after waiting for its whole codec stream, holding
+    the GIL: a wave queued behind an unread one would make that read wait for it too
+    (tiered.gpu.waves.WaveSizes). (Its C API, which a save uses where it loads, leaves the sizes
+    on the GPU: `test_delivered_sizes_are_read_while_the_drains_copies_run`.)"""
     from tiered.gpu.waves import ENCODE_STREAMS
+
+    monkeypatch.setenv("TIERED_NVCOMP_PYTHON_ENCODE", "1")
 
     waves = 3 * ENCODE_STREAMS
     state = {"w": torch.randn(waves * _CS, device="cuda"),
@@ -266,23 +307,52 @@ def test_an_encode_stream_takes_a_new_wave_only_once_its_last_waves_sizes_are_re
         seg.release()
 
 
-@pytest.mark.gpu
-def test_a_waves_sizes_are_read_after_the_drains_copies_issued_before():
-    """nvCOMP reads a batch's sizes with a small copy to the host, which the copy engine runs
-    after the copies queued before it, and waits for it holding the GIL: the read first waits,
-    through torch, for the work a drain issued (here a copy and a kernel after it, which nvCOMP's
-    read alone would not wait for)."""
-    segments = []
-    dev = _staged({"w": torch.randn(8 * _CS, device="cuda")}, segments.append)
-    segments[-1].wave.ready.synchronize()
+def _drain_like_work(dev) -> torch.cuda.Event:
+    """A copy to the host and ~0.2 s of one kernel after it on the device's writer stream, noted
+    as a drain's copies are (`note_copies`); the event after them."""
     big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     host = torch.empty_like(big, device="cpu").pin_memory()
     with torch.cuda.stream(dev.writer_stream):
         host.copy_(big, non_blocking=True)
-        torch.cuda._sleep(400_000_000)  # (~0.2 s of one kernel after the copy)
+        torch.cuda._sleep(400_000_000)  # (cycles)
         done = torch.cuda.Event()
         done.record(dev.writer_stream)
     dev.note_copies(done)
+    return done
+
+
+@pytest.mark.gpu
+def test_delivered_sizes_are_read_while_the_drains_copies_run():
+    """Through nvCOMP's C API a wave's sizes stay on the GPU, and a kernel stores them into pinned
+    memory as soon as the wave is encoded (tiered.gpu.pack.deliver): reading them waits for
+    nothing a drain issued, so the writer issues the next wave's copies behind the running ones."""
+    from tiered.gpu import pack
+
+    segments = []
+    dev = _staged({"w": torch.randn(8 * _CS, device="cuda")}, segments.append)
+    assert dev.wait_warm(120) and pack.can_deliver()
+    assert all(seg.wave.delivers for seg in segments)
+    segments[-1].wave.ready.synchronize()
+    done = _drain_like_work(dev)
+    sizes = [n for seg in segments for n in seg.sizes()]
+    assert not done.query(), "the sizes waited for the drain's copies"
+    torch.cuda.synchronize()
+    assert len(sizes) == sum(len(seg.chunks) for seg in segments) and all(0 < n <= 2 * _CS for n in sizes)
+    for seg in segments:
+        seg.release()
+
+
+@pytest.mark.gpu
+def test_a_waves_sizes_are_read_after_the_drains_copies_issued_before(monkeypatch):
+    """nvCOMP's Python API reads a batch's sizes with a small copy to the host, which the copy
+    engine runs after the copies queued before it, and waits for it holding the GIL: the read
+    first waits, through torch, for the work a drain issued (here a copy and a kernel after it,
+    which nvCOMP's read alone would not wait for)."""
+    monkeypatch.setenv("TIERED_NVCOMP_PYTHON_ENCODE", "1")
+    segments = []
+    dev = _staged({"w": torch.randn(8 * _CS, device="cuda")}, segments.append)
+    segments[-1].wave.ready.synchronize()
+    done = _drain_like_work(dev)
     assert not done.query()
     sizes = [n for seg in segments for n in seg.sizes()]
     assert done.query(), "the sizes were read before the drain's work was done"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tiered.codecs import _nvcomp
+from tiered.codecs import _nvcomp, _nvcomp_batched
 from tiered.codecs.base import Codec, register
 from tiered.format.manifest import CodecSpec
 
@@ -33,9 +33,16 @@ class AnsCodec(Codec):
         self.data_type = spec.params.get("data_type", "|u1")
 
     def max_stored_size(self, chunk_size: int) -> int:
-        return _nvcomp.max_compressed("ANS", chunk_size, self.data_type)
+        bound = _nvcomp.max_compressed("ANS", chunk_size, self.data_type)
+        if _nvcomp_batched.available():  # (the row must hold what either API may write)
+            bound = max(bound, _nvcomp_batched.max_output(chunk_size, self.data_type))
+        return bound
 
     def encode_batch(self, stream, chunk_size, src, offsets, sizes, slab, row_offsets, row_capacity):
+        """Through nvCOMP's C API where it loads (`tiered.codecs._nvcomp_batched`: its sizes stay
+        on the GPU until read), else its Python API."""
+        if _nvcomp_batched.available():
+            return _nvcomp_batched.encode(self.data_type, stream, chunk_size, src, offsets, sizes, slab, row_offsets)
         return _nvcomp.encode("ANS", self.data_type, stream, chunk_size, src, offsets, sizes, slab,
                               row_offsets, row_capacity)
 

@@ -36,7 +36,21 @@ from tiered.format.manifest import CODEC_PARAMETERS, CodecSpec, check_codec_spec
 
 
 class PendingSizes(Protocol):
+    """A batch's compressed sizes, once its encode has run. A batch whose sizes stay on the GPU
+    (`tiered.codecs._nvcomp_batched.DeviceSizes`) also has `device_sizes` (int64) and `statuses`
+    (int32, nvcompStatus_t) there, for a save to hand to the host itself."""
+
     def sizes(self) -> list[int]: ...
+
+
+def checked_sizes(sizes: Any, statuses: Any) -> list[int]:
+    """`sizes` (int64 array) as a list, where every chunk's nvCOMP status (int array) is success
+    (0); else a RuntimeError naming the first chunk that failed."""
+    bad = [i for i, s in enumerate(statuses.tolist()) if s]
+    if bad:
+        raise RuntimeError(f"nvCOMP compression failed for chunk {bad[0]} of the batch (status "
+                           f"{int(statuses[bad[0]])}; {len(bad)} of {len(statuses)} chunks failed)")
+    return [int(n) for n in sizes.tolist()]
 
 
 class Codec:

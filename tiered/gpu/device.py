@@ -327,7 +327,7 @@ class GpuDevice:
             k = self._next_encoder
             self._next_encoder = (k + 1) % ENCODE_STREAMS
             last = self._last_waves[k]
-            if last is not None:  # (nothing may be queued behind a batch whose sizes are unread)
+            if last is not None and not last.delivers:  # (nothing may be queued behind a batch nvCOMP reads)
                 last.settle()
             t3e = clock()
             enc = self.encode_streams[k]
@@ -339,7 +339,9 @@ class GpuDevice:
                             for codec, a, b in wave.groups]
                 if timed is not None:
                     encode_clock.stop(enc, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
-                sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index, self.quiet_copies)
+                delivered = _delivered(pendings)
+                sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index,
+                                                        None if delivered else self.quiet_copies, delivered)
             # (the next wave's pack reuses the pack buffer; the last wave's: the tensors are read)
             self.stream.wait_event(sizes.ready)
             t4 = clock()
@@ -552,6 +554,22 @@ class _Sources:
         if self.span is not None and codec.reads_in_place:
             return self.span, self.offsets[a:b]
         return self.pack, self.wave.offsets[a:b]
+
+
+def _delivered(pendings: Sequence[tuple[Any, int]]) -> list[torch.Tensor] | None:
+    """On the current stream, after a wave's encode: where every batch left its sizes on the GPU,
+    a kernel stores them into pinned memory (`WaveSizes`); None where they are read otherwise."""
+    if not gpu_checksum.can_deliver() or not all(hasattr(p, "device_sizes") for p, _ in pendings):
+        return None
+    out = []
+    try:
+        for p, n in pendings:
+            host = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
+            gpu_checksum.deliver(p.device_sizes, p.statuses, host)
+            out.append(host)
+    except Exception:  # noqa: BLE001 - logged once by deliver; this wave's sizes are copied instead
+        return None
+    return out
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -34,7 +34,8 @@ except ImportError:  # (torch's CUDA wheels bring Triton; a build without it tak
     triton = None
 
 _BLOCK = 2048
-_state = {"ok": triton is not None, "why": "Triton is not installed", "lock": threading.Lock()}
+_state = {"ok": triton is not None, "why": "Triton is not installed", "lock": threading.Lock(),
+          "deliver": triton is not None}
 
 if triton is not None:
     def _jit(no_align: list[str]):
@@ -85,6 +86,15 @@ if triton is not None:
                 tl.store(src + offs, w.to(tl.int32), mask=inside & (offs >= full))
             acc += w * (2 * offs.to(tl.int64) + 1)  # (wraps mod 2**64, as wsum64 is defined)
         tl.store(parts + r * SLICES + s, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _deliver_kernel(sizes, statuses, out, n, BLOCK: tl.constexpr):
+        # One batch's compressed sizes and statuses, stored by the SMs into pinned host memory:
+        # no copy engine, so no wait behind a drain's copies to the host.
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        tl.store(out + i, tl.load(sizes + i, mask=inside), mask=inside)
+        tl.store(out + n + i, tl.load(statuses + i, mask=inside).to(tl.int64), mask=inside)
 
     @_jit(["sums"])
     def _sum_kernel(parts, sums, n, SLICES: tl.constexpr, ROWS: tl.constexpr):
@@ -160,9 +170,41 @@ def pack_and_checksum(rows: torch.Tensor, sizes: torch.Tensor, parts: torch.Tens
         _launch(rows, sizes, parts, dst, offsets, first, end, True)
 
 
+def can_deliver() -> bool:
+    """`deliver` runs here (Triton present, and its kernel stored into pinned memory at `warm_up`)."""
+    return _state["deliver"]
+
+
+def deliver(device_sizes: torch.Tensor, statuses: torch.Tensor, out: torch.Tensor) -> None:
+    """On the current stream: a batch's compressed sizes (int64) and statuses (int32), on the GPU,
+    into `out`, pinned host memory of int64 (2, n): the sizes, then the statuses. The GPU's SMs
+    store them across PCIe, so they arrive as soon as the batch is encoded, while the copy engine
+    is busy with a drain (tiered.gpu.waves.WaveSizes)."""
+    n = device_sizes.numel()
+    if n:
+        try:
+            _deliver_kernel[(-(-n // 1024),)](device_sizes, statuses, out, n, BLOCK=1024, num_warps=4)
+        except Exception as exc:  # a driver or Triton that will not store to host memory: copies serve
+            _no_delivery(exc)
+            raise
+
+
+def _no_delivery(exc: Exception) -> None:
+    with _state["lock"]:
+        if _state["deliver"]:
+            _state["deliver"] = False
+            log.warning("tiered: compressed sizes cannot be stored to pinned memory by a kernel here (%s); they "
+                        "are copied to the host after the drain's copies", exc)
+
+
 def warm_up(device: int) -> None:
     """Compile the kernels for `device` now (on a side stream), so that no save waits for them; a
-    kernel that does not compile here turns `available()` False (logged)."""
+    kernel that does not compile here turns `available()` (or `can_deliver()`) False (logged)."""
+    _warm_rows(device)
+    _warm_deliver(device)
+
+
+def _warm_rows(device: int) -> None:
     if not _state["ok"]:
         return
     try:
@@ -176,3 +218,18 @@ def warm_up(device: int) -> None:
             torch.cuda.current_stream().synchronize()
     except Exception:  # noqa: BLE001 - logged by _launch; the torch path serves
         pass
+
+
+def _warm_deliver(device: int) -> None:
+    if not _state["deliver"]:
+        return
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+            sizes = torch.tensor([7, 9], dtype=torch.int64, device=f"cuda:{device}")
+            out = torch.zeros((2, 2), dtype=torch.int64, pin_memory=True)
+            deliver(sizes, torch.tensor([0, 3], dtype=torch.int32, device=f"cuda:{device}"), out)
+            torch.cuda.current_stream().synchronize()
+        if out.tolist() != [[7, 9], [0, 3]]:
+            raise RuntimeError(f"stored {out.tolist()}")
+    except Exception as exc:  # noqa: BLE001 - sizes are copied to the host then
+        _no_delivery(exc)

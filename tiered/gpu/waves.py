@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tiered.codecs.base import Codec, PendingSizes
+from tiered.codecs.base import Codec, PendingSizes, checked_sizes
 from tiered.format.checksum import unsigned
 from tiered.stage.plan import ChunkRef
 
@@ -51,13 +51,21 @@ class WaveSizes:
     runs after every copy to the host queued before it, and nvCOMP waits for it holding the GIL:
     behind a drain's copies of a large state, 39 ms for 2 GiB queued, ~100 ms of
     a 24 GB save in all (py-spy). So `quiet` (the device's copies issued so far) is
-    waited for first, through torch, and the read finds the copy engine free."""
+    waited for first, through torch, and the read finds the copy engine free.
+
+    Where the encode left its sizes on the GPU (nvCOMP's C API) and a kernel stored them into
+    pinned memory before `ready` (`delivered`: one int64 (2, n) of sizes and statuses per batch,
+    `tiered.gpu.pack.deliver`), none of that applies: reading them is waiting for `ready` with
+    the GIL let go, whatever the copy engine is doing, and nothing need wait for the read."""
 
     def __init__(self, pendings: list[tuple[PendingSizes, int]], ready: torch.cuda.Event, device_index: int,
-                 quiet: Callable[[], None] | None = None):
+                 quiet: Callable[[], None] | None = None, delivered: list[torch.Tensor] | None = None):
         self._pendings: list[tuple[PendingSizes, int]] | None = pendings
         self.ready = ready
         self._quiet = quiet
+        self._delivered = delivered
+        self.delivers = delivered is not None
+        """The sizes come through pinned memory: no read holds the GIL or waits for the copy engine."""
         self._index = device_index
         self._sizes: list[int] | None = None
         self._error: Exception | None = None
@@ -85,6 +93,9 @@ class WaveSizes:
                 return
             try:
                 self.ready.synchronize()
+                if self._delivered is not None:
+                    self._sizes = self._read_delivered(self._pendings, self._delivered)
+                    return
                 if self._quiet is not None:
                     self._quiet()
                 out: list[int] = []
@@ -99,8 +110,18 @@ class WaveSizes:
                 self._sizes = out
             except Exception as exc:  # noqa: BLE001 - kept for the wave's own writer (`get`)
                 self._error = exc
-            # (the batches hold the slab and pack buffers: let them go once read)
-            self._pendings = None
+            finally:  # (the batches hold the slab and pack buffers: let them go once read)
+                self._pendings = self._delivered = None
+
+    @staticmethod
+    def _read_delivered(pendings: list[tuple[PendingSizes, int]], delivered: list[torch.Tensor]) -> list[int]:
+        out: list[int] = []
+        for (_, n), host in zip(pendings, delivered):
+            got = host.numpy()
+            if got.shape != (2, n):
+                raise RuntimeError(f"codec delivered {got.shape[1]} sizes for {n} chunks")
+            out.extend(checked_sizes(got[0], got[1]))
+        return out
 
 
 ENCODE_STREAMS = 4
