@@ -75,6 +75,8 @@ class GpuDevice:
     does."""
     stream: torch.cuda.Stream = field(init=False)
     writer_stream: torch.cuda.Stream = field(init=False)
+    pack_stream: torch.cuda.Stream = field(init=False)
+    """A drain packs runs of rows on it, beside the writer stream's copies (`issue_drain`)."""
     encode_streams: list[torch.cuda.Stream] = field(init=False)
     """A save's waves are encoded on these in turn (`WaveSizes`)."""
     _last_waves: list[WaveSizes | None] = field(default_factory=lambda: [None] * ENCODE_STREAMS, init=False)
@@ -87,6 +89,9 @@ class GpuDevice:
     _staging: list[torch.Tensor] | None = field(default=None, init=False)
     _busy: list[Any] = field(default_factory=lambda: [None, None], init=False)
     _next_slot: int = field(default=0, init=False)
+    _drain_slot: int = field(default=0, init=False)
+    _drained_from: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None], init=False)
+    """Per staging buffer, recorded after the last copy out of it that a drain issued."""
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _warned: set = field(default_factory=set, init=False)
     _clock: EncodeClock | None = field(default=None, init=False)
@@ -100,6 +105,7 @@ class GpuDevice:
         dev = torch.device("cuda", self.index)
         self.stream = torch.cuda.Stream(dev, priority=self.priority)
         self.writer_stream = torch.cuda.Stream(dev, priority=self.priority)
+        self.pack_stream = torch.cuda.Stream(dev, priority=self.priority)
         self.encode_streams = [torch.cuda.Stream(dev, priority=self.priority) for _ in range(ENCODE_STREAMS)]
         # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
         # training, rather than inside the first save's drain.
@@ -404,6 +410,7 @@ class GpuDevice:
         a drained run holds at least one row), allocated on first use."""
         size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
         if self._staging is None or self._staging[0].numel() < at_least:
+            self.pack_stream.synchronize()  # (a drain's packing into the old ones is done)
             self._staging = None  # (the smaller ones go before the larger are allocated)
             with torch.cuda.stream(self.writer_stream):  # (the stream that writes them: see _ensure)
                 self._staging = [torch.empty(max(size, at_least), dtype=torch.uint8, device=self.device)
@@ -446,52 +453,65 @@ class GpuDevice:
     def issue_drain(self, seg: RowsSegment, sizes: Sequence[int],
                     acquire: Callable[[RowRing, int], int]) -> "DrainedRows":
         """Issue, without waiting, all the GPU work of draining a wave: each run of rows (at most
-        a staging buffer, or one pinned block) is packed end to end on the GPU into a staging
-        buffer, padding zeroed and checksums computed in the same pass (tiered.gpu.pack), and
-        copied from there into pinned host pages as one copy: only compressed bytes cross PCIe,
-        and each run is one large host write. `acquire(ring, pages)` hands out pages of the host
-        pool's ring (it may wait for writes to free some). Everything runs in order on the writer
-        stream, so a run's packing waits for the previous copy out of the staging buffer on the
-        GPU, not on the host. The writer issues the next wave before it places this one's chunks
-        (tiered.gpu.write). The copies are noted (`note_copies`): the next wave's sizes are read
-        once they are done."""
+        a staging buffer, or one pinned block) is packed end to end on the GPU into one of the two
+        staging buffers, padding zeroed and checksums computed in the same pass (tiered.gpu.pack),
+        and copied from there into pinned host pages as one copy: only compressed bytes cross
+        PCIe, and each run is one large host write. `acquire(ring, pages)` hands out pages of the
+        host pool's ring (it may wait for writes to free some). The packing runs on a stream of its
+        own and the copies on the writer stream, each waiting for the other through events: run
+        k+1 is packed into one buffer while run k crosses PCIe from the other, so the copy engine
+        does not stand idle while a run is packed (with both on one stream it did, ~30 ms of a
+        24 GB drain). The writer issues the next wave before it places this one's chunks
+        (tiered.gpu.write). The copies are noted (`note_copies`)."""
         host = self.host
         stride = seg.rows.shape[1]
         with torch.cuda.device(self.index):
-            staging = self._staging_buffers(stride)[0]
-        limit = min(staging.numel(), host.max_run_bytes)  # (a run holds one row at least)
+            buffers = self._staging_buffers(stride)
+        limit = min(buffers[0].numel(), host.max_run_bytes)  # (a run holds one row at least)
         runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
         extents, bounds, offsets = extent_runs(sizes, limit)
         fused = gpu_checksum.available()
         pages: WavePages | None = None
-        with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
+        packing, copying = self.pack_stream, self.writer_stream
+        with torch.cuda.device(self.index), torch.cuda.stream(copying):
             try:
-                self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
+                copying.wait_event(seg.ready)  # (the wave's compression)
                 io, dev = self._wave_io(sizes, offsets // 4)
                 if fused:
                     parts = gpu_checksum.partials(len(sizes), self.device)
+                    packing.wait_stream(copying)  # (the compression, the sizes sent)
                 else:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
                 pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
                 for i, k, total in bounds:
-                    buf = staging[:total]
+                    slot = self._drain_slot if fused else 0
+                    self._drain_slot ^= 1
+                    buf = buffers[slot][:total]
                     if fused:
-                        gpu_checksum.pack_and_checksum(seg.rows, dev[0], parts, staging, dev[2], i, k)
+                        with torch.cuda.stream(packing):
+                            if self._drained_from[slot] is not None:  # (its last copy out is done)
+                                packing.wait_event(self._drained_from[slot])
+                            gpu_checksum.pack_and_checksum(seg.rows, dev[0], parts, buffers[slot], dev[2], i, k)
+                            copying.wait_event(_recorded(packing))
                     else:
                         _gather_rows(seg, i, k, extents, buf)
                     page, release = pages.take(host.pages(total))
                     dst = host.view(page, total)
                     runs.append((i, k, dst, release))
                     dst.copy_(buf, non_blocking=True)
+                    self._drained_from[slot] = _recorded(copying)
                 if fused:
-                    gpu_checksum.sum_partials(parts, dev[1])
+                    with torch.cuda.stream(packing):
+                        gpu_checksum.sum_partials(parts, dev[1])
+                        copying.wait_event(_recorded(packing))
                 io[1].copy_(dev[1], non_blocking=True)
             except BaseException:
-                self.writer_stream.synchronize()  # nothing issued here may still use the pages or rows
+                packing.synchronize()  # nothing issued here may still use the pages or rows
+                copying.synchronize()
                 if pages is not None:
                     pages.give_back()
                 raise
-            done = _recorded(self.writer_stream)
+            done = _recorded(copying)
         self.note_copies(done)
         return DrainedRows(list(sizes), io, runs, done)
 
