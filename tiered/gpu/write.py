@@ -8,13 +8,13 @@ Each wave of compressed rows (a `tiered.gpu.device.RowsSegment`) goes one of two
   waves, so they drain into pinned host pages (compacted: only compressed bytes cross PCIe) and
   are written from there in large O_DIRECT requests on several threads. The drain is pipelined:
   wave k+1's zeroing, checksums and copies are issued before wave k's chunks are placed and its
-  writes handed out. Wave k+1's sizes, though, are read only once wave k's copies are done
-  (`tiered.gpu.waves.WaveSizes`: nvCOMP's read would queue behind them holding the GIL), so the
-  copy engine idles while this thread reads them and issues the wave: a 24 GB state drained in
-  575 ms instead of 466, and the guarded save stalled 193 ms instead of 417.
-  So once a wave's sizes are read with the copy engine idle, the sizes of the waves queued behind
-  it whose compression is done are read too (`READ_AHEAD`), before this wave's copies are
-  issued: their drains then follow each other with no wait between them.
+  writes handed out. A wave's sizes reach pinned memory as soon as it is encoded
+  (`tiered.gpu.waves.WaveSizes`, through nvCOMP's C API), so wave k+1 is issued while wave k's
+  copies run. Where nvCOMP's Python API encoded the wave instead, its sizes are read only once
+  wave k's copies are done (its read would queue behind them holding the GIL), and the copy
+  engine idles while this thread reads them and issues the wave; so once a wave's sizes are read
+  with the copy engine idle, the sizes of the waves queued behind it whose compression is done
+  are read too (`READ_AHEAD`), and their drains follow each other with no wait between them.
   How fast the slab's rows come back bounds how long a save of a large state holds training.
 
 Call order (one `RowsWriter` per data file, on the writer thread):
