@@ -138,13 +138,16 @@ class DeviceSizes:
 
     def __init__(self, device_sizes: torch.Tensor, statuses: torch.Tensor, keep: tuple[Any, ...],
                  stream: torch.cuda.Stream):
-        self.device_sizes, self.statuses, self._keep = device_sizes, statuses, keep
+        self.device_sizes, self.statuses, self._keep, self._stream = device_sizes, statuses, keep, stream
         self._done = torch.cuda.Event()
         self._done.record(stream)
 
     def sizes(self) -> list[int]:
         self._done.synchronize()
-        return checked_sizes(self.device_sizes.cpu().numpy(), self.statuses.cpu().numpy())
+        # (copied on the batch's own stream: on the caller's default stream the copy would queue
+        # behind whatever training has queued there)
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
+            return checked_sizes(self.device_sizes.cpu().numpy(), self.statuses.cpu().numpy())
 
 
 def encode(data_type: str, stream: torch.cuda.Stream, chunk_size: int, src: Any, offsets: Sequence[int],
