@@ -588,6 +588,7 @@ def _delivered(pendings: Sequence[tuple[Any, int]]) -> list[torch.Tensor] | None
             gpu_checksum.deliver(p.device_sizes, p.statuses, host)
             out.append(host)
     except Exception:  # noqa: BLE001 - logged once by deliver; this wave's sizes are copied instead
+        torch.cuda.current_stream().synchronize()  # (no kernel launched before may still store into `out`)
         return None
     return out
 
