@@ -372,7 +372,10 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
     saves = run.windows
     free0, rss0 = gpu_free(device) if gpu_free0 is None else gpu_free0, rss()
     low = gpu_free(device)
-    lead_in = row.extra["lead_in_windows"] = run.lead_in_windows(base)
+    # Every rank runs as many lead-in windows (each step is a collective under torchrun): the most
+    # any rank's own window time asks for. Each counting its own, two ranks whose windows fell on
+    # either side of a whole number deadlocked, one in a step, the other at the next barrier.
+    lead_in = row.extra["lead_in_windows"] = max(gather(run.lead_in_windows(base)))
     for k in range(saves):
         if k and run.one_copy:
             barrier()
