@@ -352,6 +352,14 @@ def done_at(fut: Any) -> list[float]:
     return box
 
 
+def agreed_lead_in(run: "Run", base: float) -> int:
+    """The lead-in windows every rank runs before a save's window (`Run.lead_in_windows` of its
+    baseline `base`): the most any rank's own window time asks for. Each step is a collective
+    under torchrun; ranks that each counted their own, their windows on either side of a whole
+    number, deadlocked, one in a step's all-reduce, the other at the next barrier."""
+    return max(gather(run.lead_in_windows(base)))
+
+
 def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durable: Callable[[Any], float],
             drop: Callable[[int], None], before_update: Callable[[Any], Any] | None = None,
             gpu_free0: int | None = None) -> list[tuple[int, int]]:
@@ -372,10 +380,7 @@ def measure(row: Row, run: "Run", base: float, save: Callable[[int], Any], durab
     saves = run.windows
     free0, rss0 = gpu_free(device) if gpu_free0 is None else gpu_free0, rss()
     low = gpu_free(device)
-    # Every rank runs as many lead-in windows (each step is a collective under torchrun): the most
-    # any rank's own window time asks for. Each counting its own, two ranks whose windows fell on
-    # either side of a whole number deadlocked, one in a step, the other at the next barrier.
-    lead_in = row.extra["lead_in_windows"] = max(gather(run.lead_in_windows(base)))
+    lead_in = row.extra["lead_in_windows"] = agreed_lead_in(run, base)
     for k in range(saves):
         if k and run.one_copy:
             barrier()

@@ -79,3 +79,31 @@ def test_the_scale_benchs_control_row_saves_nothing_and_the_summary_nets_the_row
     assert f"tiered_overlap {net:+.1f} ms" in printed, printed[-2000:]
     n = tiered["lead_in_windows"]
     assert n >= 1 and f"(one just before each save, itself right after {n} not measured," in printed
+
+
+def _lead_in_of_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(SCRIPTS))
+    from scale_measure import Run, agreed_lead_in
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        class Lead:  # (a Run's lead-in alone: 2 s of windows of this rank's own baseline)
+            lead_in_s = 2.0
+            lead_in_windows = Run.lead_in_windows
+
+        own = Lead().lead_in_windows([0.9, 1.1][rank])
+        Path(out, f"rank{rank}").write_text(f"{own} {agreed_lead_in(Lead(), [0.9, 1.1][rank])}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_lead_in_their_own_windows_would_count_differently(tmp_path):
+    """Under torchrun every step of a window is a collective: two ranks whose baselines ask for 3
+    and 2 lead-in windows both run 3 (counting their own deadlocked the 2-rank scale bench)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_lead_in_of_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    got = [(tmp_path / f"rank{r}").read_text().split() for r in (0, 1)]
+    assert got == [["3", "3"], ["2", "3"]]
