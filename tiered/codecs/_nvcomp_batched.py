@@ -19,6 +19,7 @@ nvCOMP major version), `available()` is False and the Python API encodes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -62,6 +63,8 @@ class _Library:
 _lock = threading.Lock()
 _loaded: list[_Library | None] = []
 _temps: dict[tuple[int, int, str, int], torch.Tensor] = {}
+_temp_bytes: dict[tuple[str, int, int], int] = {}
+"""Scratch bytes nvCOMP asks for a batch of (data type, chunk size, chunks)."""
 
 
 def _find() -> ctypes.CDLL:
@@ -93,7 +96,9 @@ def available() -> bool:
     return os.environ.get("TIERED_NVCOMP_PYTHON_ENCODE") != "1" and library() is not None
 
 
+@functools.lru_cache(maxsize=None)
 def _opts(data_type: str) -> _Opts:
+    """The options of `data_type`'s batches (made once: a save passes them twice a wave)."""
     if data_type not in _DATA_TYPES:
         raise ValueError(f"ANS data type {data_type!r}: expected one of {', '.join(_DATA_TYPES)}")
     return _Opts(type=0, data_type=_DATA_TYPES[data_type])
@@ -104,8 +109,9 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"nvCOMP {what} returned status {status} (nvcompStatus_t)")
 
 
+@functools.lru_cache(maxsize=None)
 def max_output(chunk_size: int, data_type: str) -> int:
-    """The C API's bound on one compressed chunk."""
+    """The C API's bound on one compressed chunk (asked once: every save sizes its slab rows by it)."""
     out = _N()
     _check(library().max_output(chunk_size, _opts(data_type), ctypes.byref(out)),
            "nvcompBatchedANSCompressGetMaxOutputChunkSize")
@@ -114,14 +120,18 @@ def max_output(chunk_size: int, data_type: str) -> int:
 
 def _temp(lib: _Library, stream: torch.cuda.Stream, chunk_size: int, n: int, data_type: str) -> torch.Tensor:
     """The scratch memory of a batch of `n` chunks on `stream` (kept per stream, grown as needed;
-    allocated on `stream`, the current one)."""
+    allocated on `stream`, the current one). Its size is asked of nvCOMP once per batch shape, not
+    once a wave."""
     key = (stream.device.index, stream.cuda_stream, data_type, chunk_size)
     temp = _temps.get(key)
-    need = _N()
-    _check(lib.temp_size(n, chunk_size, _opts(data_type), ctypes.byref(need), n * chunk_size, stream.cuda_stream),
-           "nvcompBatchedANSCompressGetTempSize")
-    if temp is None or temp.numel() < need.value:
-        temp = _temps[key] = torch.empty(max(int(need.value), 1), dtype=torch.uint8, device=stream.device)
+    need = _temp_bytes.get((data_type, chunk_size, n))
+    if need is None:
+        asked = _N()
+        _check(lib.temp_size(n, chunk_size, _opts(data_type), ctypes.byref(asked), n * chunk_size,
+                             stream.cuda_stream), "nvcompBatchedANSCompressGetTempSize")
+        need = _temp_bytes[(data_type, chunk_size, n)] = int(asked.value)
+    if temp is None or temp.numel() < need:
+        temp = _temps[key] = torch.empty(max(need, 1), dtype=torch.uint8, device=stream.device)
     return temp
 
 
