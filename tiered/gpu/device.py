@@ -484,8 +484,8 @@ class GpuDevice:
                     self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
                 pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
                 for i, k, total in bounds:
-                    slot = self._drain_slot if fused else 0
-                    self._drain_slot ^= 1
+                    slot = self._drain_slot if fused else 0  # (the torch path packs and copies on one stream)
+                    self._drain_slot ^= fused
                     buf = buffers[slot][:total]
                     if fused:
                         with torch.cuda.stream(packing):
