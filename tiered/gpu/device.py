@@ -38,7 +38,8 @@ from tiered.format.manifest import TensorRecord
 from tiered.gpu import pack as gpu_checksum
 from tiered.gpu.decode import CHECKSUM_ROWS, restore_on
 from tiered.gpu.layout import Layout, Span
-from tiered.gpu.waves import ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, encode_slots
+from tiered.gpu.waves import (ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, deliver_sizes,
+                              encode_slots)
 from tiered.stage.budgets import auto_gpu_buffer
 from tiered.stage.host_copy import HostCopier
 from tiered.stage.plan import TensorPlan
@@ -77,6 +78,8 @@ class GpuDevice:
     writer_stream: torch.cuda.Stream = field(init=False)
     pack_stream: torch.cuda.Stream = field(init=False)
     """A drain packs runs of rows on it, beside the writer stream's copies (`issue_drain`)."""
+    io_stream: torch.cuda.Stream = field(init=False)
+    """A drained wave's sizes, offsets and checksums cross on it (`issue_drain`)."""
     encode_streams: list[torch.cuda.Stream] = field(init=False)
     """A save's waves are encoded on these in turn (`WaveSizes`)."""
     _last_waves: list[WaveSizes | None] = field(default_factory=lambda: [None] * ENCODE_STREAMS, init=False)
@@ -106,6 +109,7 @@ class GpuDevice:
         self.stream = torch.cuda.Stream(dev, priority=self.priority)
         self.writer_stream = torch.cuda.Stream(dev, priority=self.priority)
         self.pack_stream = torch.cuda.Stream(dev, priority=self.priority)
+        self.io_stream = torch.cuda.Stream(dev, priority=self.priority)
         self.encode_streams = [torch.cuda.Stream(dev, priority=self.priority) for _ in range(ENCODE_STREAMS)]
         # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
         # training, rather than inside the first save's drain.
@@ -345,7 +349,7 @@ class GpuDevice:
                             for codec, a, b in wave.groups]
                 if timed is not None:
                     encode_clock.stop(enc, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
-                delivered = _delivered(pendings)
+                delivered = deliver_sizes(pendings)
                 sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index,
                                                         None if delivered else self.quiet_copies, delivered)
             # (the next wave's pack reuses the pack buffer; the last wave's: the tensors are read)
@@ -461,8 +465,10 @@ class GpuDevice:
         own and the copies on the writer stream, each waiting for the other through events: run
         k+1 is packed into one buffer while run k crosses PCIe from the other, so the copy engine
         does not stand idle while a run is packed (with both on one stream it did, ~30 ms of a
-        24 GB drain). The writer issues the next wave before it places this one's chunks
-        (tiered.gpu.write). The copies are noted (`note_copies`)."""
+        24 GB drain). The wave's sizes, offsets and checksums cross on a third (`io_stream`), so
+        that a wave's next one is packed while its last run crosses (small copies queued between
+        them left the copy engine idle ~0.4 ms a wave). The writer issues the next wave before
+        it places this one's chunks (tiered.gpu.write). The copies are noted (`note_copies`)."""
         host = self.host
         stride = seg.rows.shape[1]
         with torch.cuda.device(self.index):
@@ -473,15 +479,18 @@ class GpuDevice:
         fused = gpu_checksum.available()
         pages: WavePages | None = None
         packing, copying = self.pack_stream, self.writer_stream
-        with torch.cuda.device(self.index), torch.cuda.stream(copying):
+        side = self.io_stream if fused else copying
+        with torch.cuda.device(self.index):
             try:
-                copying.wait_event(seg.ready)  # (the wave's compression)
-                io, dev = self._wave_io(sizes, offsets // 4)
+                side.wait_event(seg.ready)  # (the wave's compression)
+                with torch.cuda.stream(side):
+                    io, dev = self._wave_io(sizes, offsets // 4)
+                    if not fused:
+                        self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
                 if fused:
-                    parts = gpu_checksum.partials(len(sizes), self.device)
-                    packing.wait_stream(copying)  # (the compression, the sizes sent)
-                else:
-                    self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
+                    packing.wait_event(_recorded(side))
+                    with torch.cuda.stream(packing):
+                        parts = gpu_checksum.partials(len(sizes), self.device)
                 pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
                 for i, k, total in bounds:
                     slot = self._drain_slot if fused else 0  # (the torch path packs and copies on one stream)
@@ -494,26 +503,29 @@ class GpuDevice:
                             gpu_checksum.pack_and_checksum(seg.rows, dev[0], parts, buffers[slot], dev[2], i, k)
                             copying.wait_event(_recorded(packing))
                     else:
-                        _gather_rows(seg, i, k, extents, buf)
+                        with torch.cuda.stream(copying):
+                            _gather_rows(seg, i, k, extents, buf)
                     page, release = pages.take(host.pages(total))
                     dst = host.view(page, total)
                     runs.append((i, k, dst, release))
-                    dst.copy_(buf, non_blocking=True)
+                    with torch.cuda.stream(copying):
+                        dst.copy_(buf, non_blocking=True)
                     self._drained_from[slot] = _recorded(copying)
                 if fused:
                     with torch.cuda.stream(packing):
                         gpu_checksum.sum_partials(parts, dev[1])
-                        copying.wait_event(_recorded(packing))
-                io[1].copy_(dev[1], non_blocking=True)
+                    side.wait_event(_recorded(packing))
+                with torch.cuda.stream(side):
+                    io[1].copy_(dev[1], non_blocking=True)
             except BaseException:
-                packing.synchronize()  # nothing issued here may still use the pages or rows
-                copying.synchronize()
+                for stream in (packing, side, copying):  # nothing issued here may still use the pages or rows
+                    stream.synchronize()
                 if pages is not None:
                     pages.give_back()
                 raise
-            done = _recorded(copying)
+            sums, done = _recorded(side), _recorded(copying)
         self.note_copies(done)
-        return DrainedRows(list(sizes), io, runs, done)
+        return DrainedRows(list(sizes), io, runs, done, sums)
 
     def note_copies(self, done: torch.cuda.Event) -> None:
         """`done` is recorded after copies to the host: a read of compressed sizes waits for it
@@ -574,23 +586,6 @@ class _Sources:
         if self.span is not None and codec.reads_in_place:
             return self.span, self.offsets[a:b]
         return self.pack, self.wave.offsets[a:b]
-
-
-def _delivered(pendings: Sequence[tuple[Any, int]]) -> list[torch.Tensor] | None:
-    """On the current stream, after a wave's encode: where every batch left its sizes on the GPU,
-    a kernel stores them into pinned memory (`WaveSizes`); None where they are read otherwise."""
-    if not gpu_checksum.can_deliver() or not all(hasattr(p, "device_sizes") for p, _ in pendings):
-        return None
-    out = []
-    try:
-        for p, n in pendings:
-            host = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
-            gpu_checksum.deliver(p.device_sizes, p.statuses, host)
-            out.append(host)
-    except Exception:  # noqa: BLE001 - logged once by deliver; this wave's sizes are copied instead
-        torch.cuda.current_stream().synchronize()  # (no kernel launched before may still store into `out`)
-        return None
-    return out
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

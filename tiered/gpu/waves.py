@@ -14,6 +14,7 @@ import torch
 
 from tiered.codecs.base import Codec, PendingSizes, checked_sizes
 from tiered.format.checksum import unsigned
+from tiered.gpu import pack as gpu_pack
 from tiered.stage.plan import ChunkRef
 
 
@@ -124,6 +125,23 @@ class WaveSizes:
         return out
 
 
+def deliver_sizes(pendings: Sequence[tuple[Any, int]]) -> list[torch.Tensor] | None:
+    """On the current stream, after a wave's encode: where every batch left its sizes on the GPU,
+    a kernel stores them into pinned memory (`WaveSizes`); None where they are read otherwise."""
+    if not gpu_pack.can_deliver() or not all(hasattr(p, "device_sizes") for p, _ in pendings):
+        return None
+    out = []
+    try:
+        for p, n in pendings:
+            host = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
+            gpu_pack.deliver(p.device_sizes, p.statuses, host)
+            out.append(host)
+    except Exception:  # noqa: BLE001 - logged once by deliver; this wave's sizes are copied instead
+        torch.cuda.current_stream().synchronize()  # (no kernel launched before may still store into `out`)
+        return None
+    return out
+
+
 ENCODE_STREAMS = 4
 """Streams a device's waves are encoded on in turn (`WaveSizes`): the stager runs at most this many
 waves ahead of the GPU's compression."""
@@ -186,8 +204,9 @@ class EncodeClock:
 
 @dataclass
 class DrainedRows:
-    """A wave whose drain `GpuDevice.issue_drain` has issued: once `done` has fired, the rows'
-    checksums are in `io[1]` and each run of rows lies in its host extent."""
+    """A wave whose drain `GpuDevice.issue_drain` has issued: once `done` has fired, each run of
+    rows lies in its host extent, and once `sums` has (where given), the rows' checksums are in
+    `io[1]`."""
 
     sizes: list[int]
     io: torch.Tensor
@@ -195,10 +214,13 @@ class DrainedRows:
     runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]]
     """(first row, end row, the host extent, its release) per run."""
     done: torch.cuda.Event
+    sums: torch.cuda.Event | None = None
 
     def wait(self) -> list[int]:
         """Wait for the copies (the GIL is released meanwhile); the rows' wsum64 checksums."""
         self.done.synchronize()
+        if self.sums is not None:
+            self.sums.synchronize()
         return unsigned(self.io[1])
 
     def release_hosts(self) -> None:
