@@ -12,7 +12,9 @@ tells apart two things the rest can be:
 the measured ones (profiling costs the host microseconds per operator: that window's stall is
 kept apart). Training runs on the stream whose kernels ran longest; each of its operations
 belongs to the step that launched it (through the CUDA call that shares its correlation id);
-every other stream's work is the save's. Times are in ms from the save call's start.
+every other stream's work is the save's. Times are in ms from the save call's start. The copies
+of the stream that moved the most bytes (a drain's) have their gaps split into those where the
+next copy was issued late and those where it waited on the GPU (`copy_gaps`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ def overlap_ms(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> 
     return union_ms(xs) + union_ms(ys) - union_ms(xs + ys)
 
 
+def copy_gaps(copies: list[dict], launch: dict[Any, dict]) -> dict:
+    """Where a stream of copies (a save's drain: the stream that moved the most bytes) stood idle
+    between one copy and the next: `late_ms`, the part before the next copy was even issued (its
+    CUDA call ended after the copy before it), and `gpu_ms`, the rest (issued in time, it waited
+    on the GPU: for the packing it depends on, or for its turn). `launch`: runtime calls by
+    correlation id."""
+    copies = sorted(copies, key=lambda e: e["ts"])
+    late = gpu = 0.0
+    n_late = n_gpu = 0
+    for a, b in zip(copies, copies[1:]):
+        end = a["ts"] + a["dur"]
+        gap = b["ts"] - end
+        if gap <= 0:
+            continue
+        call = launch.get(b.get("args", {}).get("correlation"))
+        issued = call["ts"] + call["dur"] if call else end
+        part = min(gap, max(0.0, issued - end))
+        late, gpu = late + part, gpu + gap - part
+        n_late, n_gpu = n_late + (part > 0), n_gpu + (part < gap)
+    return {"copies": len(copies), "late_ms": round(late / 1e3, 1), "late_gaps": n_late,
+            "gpu_ms": round(gpu / 1e3, 1), "gpu_gaps": n_gpu}
+
+
 def summarize(trace: dict) -> dict:
     """The window's timeline from a chrome trace (`torch.profiler`'s export): per training step,
     the CPU span and the GPU busy and idle time of what it launched on the training stream (the
@@ -64,8 +89,9 @@ def summarize(trace: dict) -> dict:
     def ms(ts: float) -> float:
         return (ts - t0) / 1e3
 
-    launch = {e["args"]["correlation"]: e["ts"] for e in events
-              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launch = {k: e["ts"] for k, e in calls.items()}
     step_spans = [(ms(e["ts"]), ms(e["ts"] + e["dur"])) for e in steps]
     gpu_ops = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     busy_by_stream: dict[Any, float] = defaultdict(float)
@@ -76,6 +102,7 @@ def summarize(trace: dict) -> dict:
     train: dict[int, list] = defaultdict(list)  # step index -> GPU intervals of its operations
     saves: dict[str, list] = defaultdict(list)  # "stream kind" -> GPU intervals
     save_bytes: dict[str, int] = defaultdict(int)
+    copies: dict[Any, list] = defaultdict(list)  # stream -> the save's copies on it
     save_kernels: dict[str, float] = defaultdict(float)
     train_all: list = []
     for e in gpu_ops:
@@ -93,6 +120,7 @@ def summarize(trace: dict) -> dict:
         saves[key].append(span)
         if cat == "gpu_memcpy":
             save_bytes[key] += int(args.get("bytes", 0))
+            copies[args.get("stream")].append(e)
         elif cat == "kernel":
             save_kernels[e["name"][:60]] += span[1] - span[0]
     out: dict[str, Any] = {"train_stream": train_stream, "steps": []}
@@ -109,6 +137,9 @@ def summarize(trace: dict) -> dict:
                          "from_ms": round(min(s for s, _ in spans), 1), "to_ms": round(max(t for _, t in spans), 1),
                          **({"gb": round(save_bytes[key] / 1e9, 2)} if key in save_bytes else {})}
                    for key, spans in sorted(saves.items())}
+    if copies:  # (the save's drain: the stream that moved the most bytes)
+        drain = max(copies, key=lambda k: sum(int(e["args"].get("bytes", 0)) for e in copies[k]))
+        out["drain_copy_gaps"] = copy_gaps(copies[drain], calls)
     out["save_kernels_top"] = {k: round(v, 1) for k, v in sorted(save_kernels.items(), key=lambda kv: -kv[1])[:6]}
     out["kernels_at_once_ms"] = round(overlap_ms(train_all, save_kernel_spans), 1)
     opt = [e for e in marks if e["name"].startswith("Optimizer.step") and e["tid"] == main_tid

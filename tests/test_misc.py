@@ -970,7 +970,8 @@ def test_the_bench_samples_where_the_training_thread_stood_in_a_call_that_let_th
 def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves_work():
     """scripts/gpu_timeline.py (`bench.py --scale ... --trace`): the busiest stream is training's,
     each of its operations in the step that launched it (by correlation id), giving each step's
-    busy and idle time; other streams are the save's; a CPU trace of a real window carries the marks."""
+    busy and idle time; other streams are the save's, and the drain's copies' gaps are split into
+    late (issued after the copy before ended) and GPU-side; a CPU trace of a real window carries the marks."""
     tl = _script("gpu_timeline")
 
     def x(cat, name, ts, dur, tid=1, **args):  # (ts and dur below in units of 10 µs)
@@ -992,13 +993,21 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
         x("kernel", "fwd", 3200, 400, stream=7, correlation=3),
         x("kernel", "ans_encode", 1300, 400, stream=9, correlation=4),  # 200 of it beside "fwd"
         x("gpu_memcpy", "Memcpy DtoH", 1800, 100, stream=10, correlation=5, bytes=2_000_000_000),
+        # two more copies on the drain's stream: one issued before the last ended and started 30
+        # later (GPU-side), one whose call ended 20 after the copy before it had (late), then 10 more
+        x("cuda_runtime", "cudaMemcpyAsync", 1850, 5, tid=2, correlation=6),
+        x("gpu_memcpy", "Memcpy DtoH", 1930, 50, stream=10, correlation=6, bytes=1_000_000_000),
+        x("cuda_runtime", "cudaMemcpyAsync", 1995, 5, tid=2, correlation=7),
+        x("gpu_memcpy", "Memcpy DtoH", 2010, 50, stream=10, correlation=7, bytes=1_000_000_000),
+        x("gpu_memcpy", "Memcpy HtoD", 1000, 1, stream=11, correlation=8, bytes=1_000),
     ]}
     got = tl.summarize(trace)
     assert got["train_stream"] == 7
     assert got["steps"][0] == {"cpu": [0.5, 20.5], "gpu": [2.0, 11.0], "busy_ms": 5.0, "idle_ms": 4.0}
     assert got["steps"][1]["busy_ms"] == 4.0 and got["steps"][1]["idle_ms"] == 0.0
     assert got["save"]["stream 9 kernel"] == {"n": 1, "busy_ms": 4.0, "from_ms": 3.0, "to_ms": 7.0}
-    assert got["save"]["stream 10 gpu_memcpy"]["gb"] == 2.0
+    assert got["save"]["stream 10 gpu_memcpy"]["gb"] == 4.0
+    assert got["drain_copy_gaps"] == {"copies": 3, "late_ms": 0.2, "late_gaps": 1, "gpu_ms": 0.4, "gpu_gaps": 2}
     assert got["kernels_at_once_ms"] == 2.0
     assert got["first_optimizer_step"] == [5.0, 9.0]
     assert tl.union_ms([(0, 2), (1, 3), (5, 6)]) == 4
