@@ -465,10 +465,10 @@ class GpuDevice:
         own and the copies on the writer stream, each waiting for the other through events: run
         k+1 is packed into one buffer while run k crosses PCIe from the other, so the copy engine
         does not stand idle while a run is packed (with both on one stream it did, ~30 ms of a
-        24 GB drain). The wave's sizes, offsets and checksums cross on a third (`io_stream`), so
-        that a wave's next one is packed while its last run crosses (small copies queued between
-        them left the copy engine idle ~0.4 ms a wave). The writer issues the next wave before
-        it places this one's chunks (tiered.gpu.write). The copies are noted (`note_copies`)."""
+        24 GB drain). The wave's sizes, offsets and checksums cross on a third (`io_stream`): the
+        copy stream holds only the runs' copies, and no small copy waits there between two large
+        ones. The writer issues the next wave before it places this one's chunks
+        (tiered.gpu.write). The copies are noted (`note_copies`)."""
         host = self.host
         stride = seg.rows.shape[1]
         with torch.cuda.device(self.index):
