@@ -510,7 +510,8 @@ class GpuDevice:
                     runs.append((i, k, dst, release))
                     with torch.cuda.stream(copying):
                         dst.copy_(buf, non_blocking=True)
-                    self._drained_from[slot] = _recorded(copying)
+                    if fused:  # (the next packing into this buffer waits for it)
+                        self._drained_from[slot] = _recorded(copying)
                 if fused:
                     with torch.cuda.stream(packing):
                         gpu_checksum.sum_partials(parts, dev[1])

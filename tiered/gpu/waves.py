@@ -205,8 +205,7 @@ class EncodeClock:
 @dataclass
 class DrainedRows:
     """A wave whose drain `GpuDevice.issue_drain` has issued: once `done` has fired, each run of
-    rows lies in its host extent, and once `sums` has (where given), the rows' checksums are in
-    `io[1]`."""
+    rows lies in its host extent, and once `sums` has, the rows' checksums are in `io[1]`."""
 
     sizes: list[int]
     io: torch.Tensor
@@ -214,13 +213,12 @@ class DrainedRows:
     runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]]
     """(first row, end row, the host extent, its release) per run."""
     done: torch.cuda.Event
-    sums: torch.cuda.Event | None = None
+    sums: torch.cuda.Event
 
     def wait(self) -> list[int]:
         """Wait for the copies (the GIL is released meanwhile); the rows' wsum64 checksums."""
         self.done.synchronize()
-        if self.sums is not None:
-            self.sums.synchronize()
+        self.sums.synchronize()
         return unsigned(self.io[1])
 
     def release_hosts(self) -> None:
