@@ -12,9 +12,9 @@ tells apart two things the rest can be:
 the measured ones (profiling costs the host microseconds per operator: that window's stall is
 kept apart). Training runs on the stream whose kernels ran longest; each of its operations
 belongs to the step that launched it (through the CUDA call that shares its correlation id);
-every other stream's work is the save's. Times are in ms from the save call's start. The copies
-of the stream that moved the most bytes (a drain's) have their gaps split into those where the
-next copy was issued late and those where it waited on the GPU (`copy_gaps`).
+every other stream's work is the save's. Times are in ms from the save call's start. The drain's
+copies to the host (on every stream they ran on) have the link's idle time between them split
+into gaps where the next copy was issued late and those where it waited on the GPU (`copy_gaps`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch
 SAVE_MARK = "bench.save"
 STEP_MARK = "bench.step"
 """Names of the `torch.profiler.record_function` ranges a traced window carries."""
+DRAIN_COPY_BYTES = 1 << 20
+"""A copy to the host this large is a drained run's (a wave's sizes and checksums are kilobytes)."""
 
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -50,25 +52,27 @@ def overlap_ms(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> 
 
 
 def copy_gaps(copies: list[dict], launch: dict[Any, dict]) -> dict:
-    """Where a stream of copies (a save's drain: the stream that moved the most bytes) stood idle
-    between one copy and the next: `late_ms`, the part before the next copy was even issued (its
-    CUDA call ended after the copy before it), and `gpu_ms`, the rest (issued in time, it waited
-    on the GPU: for the packing it depends on, or for its turn). `launch`: runtime calls by
-    correlation id."""
+    """Where a drain's copies to the host (on one stream or several) left the link idle: a gap is
+    time when none of them ran. `late_ms`, the part of a gap before the next copy was even issued
+    (its CUDA call ended after the copies before it had), and `gpu_ms`, the rest (issued in time,
+    it waited on the GPU: for the packing it depends on, or for its turn). `launch`: runtime
+    calls by correlation id. `busy_ms`: the union of the copies' spans."""
     copies = sorted(copies, key=lambda e: e["ts"])
     late = gpu = 0.0
     n_late = n_gpu = 0
-    for a, b in zip(copies, copies[1:]):
-        end = a["ts"] + a["dur"]
+    end = copies[0]["ts"] + copies[0]["dur"] if copies else 0.0
+    for b in copies[1:]:
         gap = b["ts"] - end
-        if gap <= 0:
-            continue
-        call = launch.get(b.get("args", {}).get("correlation"))
-        issued = call["ts"] + call["dur"] if call else end
-        part = min(gap, max(0.0, issued - end))
-        late, gpu = late + part, gpu + gap - part
-        n_late, n_gpu = n_late + (part > 0), n_gpu + (part < gap)
-    return {"copies": len(copies), "late_ms": round(late / 1e3, 1), "late_gaps": n_late,
+        if gap > 0:
+            call = launch.get(b.get("args", {}).get("correlation"))
+            issued = call["ts"] + call["dur"] if call else end
+            part = min(gap, max(0.0, issued - end))
+            late, gpu = late + part, gpu + gap - part
+            n_late, n_gpu = n_late + (part > 0), n_gpu + (part < gap)
+        end = max(end, b["ts"] + b["dur"])
+    busy = union_ms([(e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in copies])
+    return {"copies": len(copies), "streams": len({e.get("args", {}).get("stream") for e in copies}),
+            "busy_ms": round(busy, 1), "late_ms": round(late / 1e3, 1), "late_gaps": n_late,
             "gpu_ms": round(gpu / 1e3, 1), "gpu_gaps": n_gpu}
 
 
@@ -137,9 +141,12 @@ def summarize(trace: dict) -> dict:
                          "from_ms": round(min(s for s, _ in spans), 1), "to_ms": round(max(t for _, t in spans), 1),
                          **({"gb": round(save_bytes[key] / 1e9, 2)} if key in save_bytes else {})}
                    for key, spans in sorted(saves.items())}
-    if copies:  # (the save's drain: the stream that moved the most bytes)
-        drain = max(copies, key=lambda k: sum(int(e["args"].get("bytes", 0)) for e in copies[k]))
-        out["drain_copy_gaps"] = copy_gaps(copies[drain], calls)
+    drain = [e for on in copies.values() for e in on  # (the save's drain: its large copies to the host)
+             if "DtoH" in e["name"] and int(e["args"].get("bytes", 0)) >= DRAIN_COPY_BYTES]
+    if drain:
+        out["drain_copy_gaps"] = {"from_ms": round(ms(min(e["ts"] for e in drain)), 1),
+                                  "to_ms": round(ms(max(e["ts"] + e["dur"] for e in drain)), 1),
+                                  **copy_gaps(drain, calls)}
     out["save_kernels_top"] = {k: round(v, 1) for k, v in sorted(save_kernels.items(), key=lambda kv: -kv[1])[:6]}
     out["kernels_at_once_ms"] = round(overlap_ms(train_all, save_kernel_spans), 1)
     opt = [e for e in marks if e["name"].startswith("Optimizer.step") and e["tid"] == main_tid

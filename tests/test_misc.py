@@ -970,8 +970,9 @@ def test_the_bench_samples_where_the_training_thread_stood_in_a_call_that_let_th
 def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves_work():
     """scripts/gpu_timeline.py (`bench.py --scale ... --trace`): the busiest stream is training's,
     each of its operations in the step that launched it (by correlation id), giving each step's
-    busy and idle time; other streams are the save's, and the drain's copies' gaps are split into
-    late (issued after the copy before ended) and GPU-side; a CPU trace of a real window carries the marks."""
+    busy and idle time; other streams are the save's, and the link's idle time between the drain's
+    copies (on two streams here) is split into late (issued after the copies before ended) and
+    GPU-side; a CPU trace of a real window carries the marks."""
     tl = _script("gpu_timeline")
 
     def x(cat, name, ts, dur, tid=1, **args):  # (ts and dur below in units of 10 µs)
@@ -999,6 +1000,12 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
         x("gpu_memcpy", "Memcpy DtoH", 1930, 50, stream=10, correlation=6, bytes=1_000_000_000),
         x("cuda_runtime", "cudaMemcpyAsync", 1995, 5, tid=2, correlation=7),
         x("gpu_memcpy", "Memcpy DtoH", 2010, 50, stream=10, correlation=7, bytes=1_000_000_000),
+        # a second lane: its copy runs beside the last one and 5 past it, then 10 idle before it
+        x("cuda_runtime", "cudaMemcpyAsync", 1996, 5, tid=2, correlation=9),
+        x("gpu_memcpy", "Memcpy DtoH", 2040, 25, stream=12, correlation=9, bytes=500_000_000),
+        x("cuda_runtime", "cudaMemcpyAsync", 2000, 5, tid=2, correlation=10),
+        x("gpu_memcpy", "Memcpy DtoH", 2075, 5, stream=12, correlation=10, bytes=100_000_000),
+        x("gpu_memcpy", "Memcpy DtoH", 2085, 1, stream=13, correlation=11, bytes=1_000),  # (a wave's sizes)
         x("gpu_memcpy", "Memcpy HtoD", 1000, 1, stream=11, correlation=8, bytes=1_000),
     ]}
     got = tl.summarize(trace)
@@ -1007,7 +1014,8 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
     assert got["steps"][1]["busy_ms"] == 4.0 and got["steps"][1]["idle_ms"] == 0.0
     assert got["save"]["stream 9 kernel"] == {"n": 1, "busy_ms": 4.0, "from_ms": 3.0, "to_ms": 7.0}
     assert got["save"]["stream 10 gpu_memcpy"]["gb"] == 4.0
-    assert got["drain_copy_gaps"] == {"copies": 3, "late_ms": 0.2, "late_gaps": 1, "gpu_ms": 0.4, "gpu_gaps": 2}
+    assert got["drain_copy_gaps"] == {"from_ms": 8.0, "to_ms": 10.8, "copies": 5, "streams": 2, "busy_ms": 2.1,
+                                      "late_ms": 0.2, "late_gaps": 1, "gpu_ms": 0.5, "gpu_gaps": 3}
     assert got["kernels_at_once_ms"] == 2.0
     assert got["first_optimizer_step"] == [5.0, 9.0]
     assert tl.union_ms([(0, 2), (1, 3), (5, 6)]) == 4
