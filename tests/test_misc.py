@@ -1029,6 +1029,18 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
     assert len(real.summary["steps"]) == 2 and real.summary["steps"][0]["cpu"][0] >= 0
 
 
+def test_drain_timing_sums_the_writers_gaps_between_waves_and_the_idle_link():
+    """scripts/drain_timing.py: waves' (start, end, bytes) from CUDA events become the copy stream's
+    first start and last end, the gaps where the next wave's first event fired after the last
+    wave's copies ended (the writer had not issued it), and the span less the bytes at the link."""
+    dt = _script("drain_timing")
+    got = dt.summary([(15.0, 20.0, 275_000_000), (20.0, 25.0, 275_000_000), (27.5, 32.5, 275_000_000),
+                      (33.0, 38.0, 275_000_000)], link_gbps=55.0)
+    assert got == {"waves": 4, "gb": 1.1, "first_ms": 15.0, "last_ms": 38.0, "writer_gaps_ms": 3.0,
+                   "largest_gaps_ms": [2.5, 0.5, 0.0], "span_ms": 23.0, "idle_ms": 3.0}
+    assert dt.summary([]) == {"waves": 0}
+
+
 def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
     """`--trace`: the profiler's GPU memory once left training none. Training
     running out of memory in the traced window, which comes after the measured ones, leaves the
