@@ -7,9 +7,10 @@ events around each drained wave.
 takes scripts/bench.py's arguments and runs it with two hooks: at each `Engine.save` call, an
 event on the training stream; around each wave `GpuDevice.issue_drain` issues, an event on the
 copy stream before the wave's copies are issued and one after them. A wave's first event fires
-once the copies before it are done *and* the writer has issued this wave, so a gap between one
-wave's last copy and the next wave's first event is time the copy stream stood idle waiting for
-the writer. Each save prints one line (`# drain-timing save N: ...`, `summary`): when its copies
+once the copies before it are done *and* the writer has begun to issue this wave, so a gap
+between one wave's last copy and the next wave's first event is time the copy stream stood idle
+waiting for the writer to begin it; the writer's host time from there to the wave's first copy,
+and every wait on the GPU, count inside the wave. Each save prints one line (`# drain-timing save N: ...`, `summary`): when its copies
 started and ended after the training stream reached the call, the writer's gaps between waves,
 and how much longer the span was than its bytes at the link's rate.
 
