@@ -1029,16 +1029,26 @@ def test_the_bench_timeline_splits_a_steps_gpu_time_into_busy_idle_and_the_saves
     assert len(real.summary["steps"]) == 2 and real.summary["steps"][0]["cpu"][0] >= 0
 
 
-def test_drain_timing_sums_the_writers_gaps_between_waves_and_the_idle_link():
-    """scripts/drain_timing.py: waves' (start, end, bytes) from CUDA events become the copy stream's
-    first start and last end, the gaps where the next wave's first event fired after the last
-    wave's copies ended (the writer had not issued it), and the span less the bytes at the link."""
+def test_drain_timing_puts_the_idle_link_down_to_the_writer_or_the_packing():
+    """scripts/drain_timing.py: each drained run's packing and copy times (from CUDA events)
+    become the copies' span and rate, and the link's idle between two copies is put down to the
+    writer where the run's packing began after the link went idle, else to the packing; the part
+    at a wave's first run is shown apart."""
     dt = _script("drain_timing")
-    got = dt.summary([(15.0, 20.0, 275_000_000), (20.0, 25.0, 275_000_000), (27.5, 32.5, 275_000_000),
-                      (33.0, 38.0, 275_000_000)], link_gbps=55.0)
-    assert got == {"waves": 4, "gb": 1.1, "first_ms": 15.0, "last_ms": 38.0, "writer_gaps_ms": 3.0,
-                   "largest_gaps_ms": [2.5, 0.5, 0.0], "span_ms": 23.0, "idle_ms": 3.0}
-    assert dt.summary([]) == {"waves": 0}
+
+    def run(pack_start, pack_end, copy_start, copy_end, first):
+        return {"pack_start": pack_start, "pack_end": pack_end, "copy_start": copy_start, "copy_end": copy_end,
+                "bytes": 55_000_000, "first": first}
+
+    got = dt.summary([run(10.0, 10.1, 10.1, 11.1, True), run(10.5, 10.6, 11.1, 12.1, False),
+                      run(12.6, 12.7, 12.7, 13.7, True), run(13.0, 14.0, 14.0, 15.0, False)], [2.0, 3.0])
+    assert got == {"runs": 4, "waves": 2, "gb": 0.22, "first_ms": 10.1, "last_ms": 15.0, "span_ms": 4.9,
+                   "copies_gbps": 55.0, "idle_ms": 0.9, "idle_writer_ms": 0.5, "idle_packing_ms": 0.4,
+                   "at_wave_start_writer_ms": 0.5, "at_wave_start_packing_ms": 0.1, "packing_ms_median": 0.1,
+                   "packing_ms_p90": 0.1, "packing_ms_max": 1.0, "issue_ms": 5.0, "issue_ms_median": 2.5,
+                   "issue_ms_max": 3.0}
+    assert dt.summary([]) == {"runs": 0}
+    assert [dt.variant_of(n) for n in range(4)] == ["B", "A", "B", "A"]
 
 
 def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
