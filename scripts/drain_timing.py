@@ -108,9 +108,9 @@ def main(argv: list[str]) -> None:
 
     saves: list[dict[str, Any]] = []
     now: dict[str, Any] = {"wave": None, "copy": None}
-    originals = (tiered.Engine.save, device.GpuDevice.issue_drain, pack.pack_and_checksum, pack.sum_partials,
-                 WavePages.take, HostPool.view)
-    save, issue_drain, pack_and_checksum, sum_partials, take, view = originals
+    save, issue_drain, pack_and_checksum, sum_partials, take, view = (
+        tiered.Engine.save, device.GpuDevice.issue_drain, pack.pack_and_checksum, pack.sum_partials, WavePages.take,
+        HostPool.view)
 
     def event(stream: Any) -> Any:
         e = torch.cuda.Event(enable_timing=True)
