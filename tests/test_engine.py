@@ -306,6 +306,27 @@ def test_small_budgets_work_in_waves(tier_config, device, codec, caplog):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mapped", [True, False], ids=["sizes-in-pinned-memory", "sizes-copied"])
+def test_a_drain_keeps_every_step_whether_its_kernels_reach_pinned_memory_or_not(tier_config, monkeypatch, mapped):
+    """A drained wave's sizes, offsets and checksums either stay in pinned memory, read and stored
+    there by the packing kernels (`MAPPED_IO`), or cross on a stream of their own: either way
+    every step restores bit-exact, each chunk's checksum verified as it is read."""
+    from tiered.gpu import device as gpu_device
+
+    monkeypatch.setattr(gpu_device, "MAPPED_IO", mapped)
+    cfg = tier_config("ans", gpu_buffer="5MiB", pack_buffer="4MiB", host_buffer="6MiB")
+    states = [{f"t{i}": torch.randn(700_000 + 1000 * i, device="cuda") for i in range(6)} for _ in range(3)]
+    with tiered.Engine.from_config(cfg) as engine:
+        for step, state in enumerate(states):
+            engine.save(step, state)
+        engine.wait()
+        for step, state in enumerate(states):
+            target = zeros_like_state(state)
+            engine.restore(target, step=step)
+            assert_same(state, target, f"step {step}")
+
+
+@pytest.mark.gpu
 def test_a_wave_the_host_budget_cannot_hold_fails_its_save_and_names_the_budget(tier_config):
     """A GPU save whose wave drains through more pinned host memory than budgets.host_buffer
     holds fails with an error naming the budgets (before 4e400f3 its last run waited forever for

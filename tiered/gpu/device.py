@@ -53,6 +53,13 @@ _WRITE_STAGING = 64 << 20
 where the gpu_buffer budget is small (`write_staging_bytes`)."""
 
 
+MAPPED_IO = True
+"""A drain's kernels read a wave's sizes and offsets from pinned memory and store its checksums
+there (as `tiered.gpu.pack.deliver` does): no small copy waits behind the drain's copies, and a
+wave's first packing waits for its compression only. Off, or where a kernel cannot reach pinned
+memory, they cross on `io_stream`."""
+
+
 def write_staging_bytes(gpu_buffer: int) -> int:
     """Bytes of each of the two write staging buffers: _WRITE_STAGING, or a sixteenth of the
     gpu_buffer budget where that is smaller (at least 1 MiB), so that small budgets stay small."""
@@ -390,14 +397,16 @@ class GpuDevice:
             parts.append(wsum64_rows_torch(rows, round_up(max(sizes[r:r + CHECKSUM_ROWS]), 4) // 4))
         dev[1].copy_(torch.cat(parts))
 
-    def _wave_io(self, sizes: Sequence[int], offsets: Any = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _wave_io(self, sizes: Sequence[int], offsets: Any = 0,
+                 send: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(pinned, on this GPU): the wave's int64 (3, rows): sizes, checksums (filled on the GPU),
         and each row's word offset in its packed run; sent without waiting (a plain copy from
-        pageable memory would synchronize the writer stream, and so the drain's pipeline)."""
+        pageable memory would synchronize the writer stream, and so the drain's pipeline); not
+        `send`: the pinned tensor twice (`MAPPED_IO`)."""
         io = torch.empty((3, len(sizes)), dtype=torch.int64, pin_memory=True)
         io[0].numpy()[:] = sizes
         io[2].numpy()[:] = offsets
-        return io, io.to(self.device, non_blocking=True)
+        return io, io.to(self.device, non_blocking=True) if send else io
 
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
         """Zero each GPU row past its chunk and return the rows' wsum64 checksums (waits for them)."""
@@ -467,8 +476,8 @@ class GpuDevice:
         does not stand idle while a run is packed (with both on one stream it did, ~30 ms of a
         24 GB drain). The wave's sizes, offsets and checksums cross on a third (`io_stream`): the
         copy stream holds only the runs' copies, and no small copy waits there between two large
-        ones. The writer issues the next wave before it places this one's chunks
-        (tiered.gpu.write). The copies are noted (`note_copies`)."""
+        ones; with `MAPPED_IO` they cross no copy engine at all. The writer issues the next wave
+        before it places this one's chunks (tiered.gpu.write). The copies are noted (`note_copies`)."""
         host = self.host
         stride = seg.rows.shape[1]
         with torch.cuda.device(self.index):
@@ -477,18 +486,20 @@ class GpuDevice:
         runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
         extents, bounds, offsets = extent_runs(sizes, limit)
         fused = gpu_checksum.available()
+        mapped = fused and MAPPED_IO and gpu_checksum.can_deliver()
         pages: WavePages | None = None
         packing, copying = self.pack_stream, self.writer_stream
-        side = self.io_stream if fused else copying
+        side = packing if mapped else self.io_stream if fused else copying
         with torch.cuda.device(self.index):
             try:
                 side.wait_event(seg.ready)  # (the wave's compression)
                 with torch.cuda.stream(side):
-                    io, dev = self._wave_io(sizes, offsets // 4)
+                    io, dev = self._wave_io(sizes, offsets // 4, send=not mapped)
                     if not fused:
                         self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
-                if fused:
+                if fused and not mapped:
                     packing.wait_event(_recorded(side))
+                if fused:
                     with torch.cuda.stream(packing):
                         parts = gpu_checksum.partials(len(sizes), self.device)
                 pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
@@ -514,10 +525,12 @@ class GpuDevice:
                         self._drained_from[slot] = _recorded(copying)
                 if fused:
                     with torch.cuda.stream(packing):
-                        gpu_checksum.sum_partials(parts, dev[1])
-                    side.wait_event(_recorded(packing))
-                with torch.cuda.stream(side):
-                    io[1].copy_(dev[1], non_blocking=True)
+                        gpu_checksum.sum_partials(parts, dev[1])  # (mapped: into io[1] itself)
+                    if not mapped:
+                        side.wait_event(_recorded(packing))
+                if not mapped:
+                    with torch.cuda.stream(side):
+                        io[1].copy_(dev[1], non_blocking=True)
             except BaseException:
                 for stream in (packing, side, copying):  # nothing issued here may still use the pages or rows
                     stream.synchronize()

@@ -222,7 +222,9 @@ class DrainedRows:
         return unsigned(self.io[1])
 
     def release_hosts(self) -> None:
-        """After a failure: give the host pages back (once nothing copies into them any more)."""
+        """After a failure: give the host pages back (once nothing copies into them any more, and
+        no kernel stores into `io`)."""
         self.done.synchronize()
+        self.sums.synchronize()
         for _, _, _, release in self.runs:
             release()
