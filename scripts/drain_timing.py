@@ -20,7 +20,10 @@ that starts after the one before it ended left the link idle; that idle is put d
 Each save prints one line (`# drain-timing save N: ...`, `summary`), times from the moment the
 training stream reached the `Engine.save` call: the first copy's start, the last one's end, the
 copies' own rate, the idle and its two parts (and how much of each fell at a wave's first run),
-the packing kernels' times, and the writer's host time issuing each wave.
+the packing kernels' times, and the writer's host time issuing each wave. The idle at a wave's
+first run is also set against when the wave's compression ended (an event after it on its encode
+stream) and when the writer began issuing its drain (an event on a stream with no work, which
+fires as the host records it): `wave_starts`.
 
 `--alternate '{"A": {...}, "B": {...}}'` makes the saves alternate between two settings of the
 drain's module constants (`tiered.gpu.write.DRAIN_DEPTH`, tiered.gpu.device's): the first save
@@ -44,10 +47,12 @@ from typing import Any, Sequence
 RUN_KEYS = ("pack_start", "pack_end", "copy_start", "copy_end")
 
 
-def summary(runs: Sequence[dict], issue_ms: Sequence[float] = ()) -> dict:
+def summary(runs: Sequence[dict], issue_ms: Sequence[float] = (), starts: Sequence[dict] = ()) -> dict:
     """One save's drain from its runs, in order: each a dict of `RUN_KEYS` (ms from the call's
     event), `bytes` and `first` (the first run of its wave); `issue_ms`, the writer's host time
-    issuing each wave. See the module's docstring for how the idle link is put down."""
+    issuing each wave; `starts`, per wave in order, when it was `encoded` (its compression done)
+    and `issued` (the writer began issuing its drain), ms from the call's event. See the module's
+    docstring for how the idle link is put down."""
     if not runs:
         return {"runs": 0}
     busy = sum(r["copy_end"] - r["copy_start"] for r in runs)
@@ -74,7 +79,33 @@ def summary(runs: Sequence[dict], issue_ms: Sequence[float] = ()) -> dict:
     if issue_ms:
         got.update(issue_ms=round(sum(issue_ms), 1), issue_ms_median=round(statistics.median(issue_ms), 2),
                    issue_ms_max=round(max(issue_ms), 2))
+    if starts and len(starts) == got["waves"]:
+        got.update(wave_starts(runs, starts))
     return got
+
+
+def wave_starts(runs: Sequence[dict], starts: Sequence[dict]) -> dict:
+    """The idle link at each wave's first run (after the first wave) against what that run's
+    packing waited for: the wave's compression (`encoded`) and the writer's issuing of its drain
+    (`issued`), each late by how far past the copy before it ended it came (capped at the idle);
+    and how far ahead of that copy's end each came (median: negative is late)."""
+    firsts = [n for n, r in enumerate(runs) if r["first"]]
+    idle = issued_late = encoded_late = 0.0
+    issued_ahead, encoded_ahead = [], []
+    for n, start in zip(firsts[1:], starts[1:]):
+        end = runs[n - 1]["copy_end"]
+        gap = max(0.0, runs[n]["copy_start"] - end)
+        idle += gap
+        issued_late += min(gap, max(0.0, start["issued"] - end))
+        encoded_late += min(gap, max(0.0, start["encoded"] - end))
+        issued_ahead.append(end - start["issued"])
+        encoded_ahead.append(end - start["encoded"])
+    if not issued_ahead:
+        return {}
+    return {"at_wave_start_idle_ms": round(idle, 1), "issued_late_ms": round(issued_late, 1),
+            "encoded_late_ms": round(encoded_late, 1),
+            "issued_ahead_ms_median": round(statistics.median(issued_ahead), 2),
+            "encoded_ahead_ms_median": round(statistics.median(encoded_ahead), 2)}
 
 
 def variant_of(n: int) -> str:
@@ -108,9 +139,10 @@ def main(argv: list[str]) -> None:
 
     saves: list[dict[str, Any]] = []
     now: dict[str, Any] = {"wave": None, "copy": None}
-    save, issue_drain, pack_and_checksum, sum_partials, take, view = (
+    save, issue_drain, pack_and_checksum, sum_partials, take, view, deliver_sizes = (
         tiered.Engine.save, device.GpuDevice.issue_drain, pack.pack_and_checksum, pack.sum_partials, WavePages.take,
-        HostPool.view)
+        HostPool.view, device.deliver_sizes)
+    probe: dict[int, Any] = {}  # per GPU, a stream with no work: an event on it fires when the host records it
 
     def event(stream: Any) -> Any:
         e = torch.cuda.Event(enable_timing=True)
@@ -128,7 +160,9 @@ def main(argv: list[str]) -> None:
         call = s["call"]
         timed = [{**{k: call.elapsed_time(r[k]) for k in RUN_KEYS}, "bytes": r["bytes"], "first": r["first"]}
                  for r in runs]
-        got = summary(timed, [w["issue_ms"] for w in s["waves"]])
+        starts = [{"issued": call.elapsed_time(w["issued"]), "encoded": call.elapsed_time(e)}
+                  for w, e in zip(s["waves"], s["encoded"])] if len(s["encoded"]) == len(s["waves"]) else []
+        got = summary(timed, [w["issue_ms"] for w in s["waves"]], starts)
         label = f" ({s['variant']}: {json.dumps(args.alternate[s['variant']])})" if args.alternate else ""
         print(f"# drain-timing save {n + 1}{label}: {json.dumps(got)}", flush=True)
 
@@ -140,11 +174,19 @@ def main(argv: list[str]) -> None:
             variant = variant_of(len(saves))
             for key, value in args.alternate[variant].items():
                 setattr(where[key], key, value)
-        saves.append({"call": event(torch.cuda.current_stream()), "waves": [], "variant": variant})
+        saves.append({"call": event(torch.cuda.current_stream()), "waves": [], "encoded": [], "variant": variant})
         return save(self, *a, **k)
 
+    def timed_deliver(pendings: Any) -> Any:
+        got = deliver_sizes(pendings)  # (on the wave's encode stream, after its compression)
+        if saves:
+            saves[-1]["encoded"].append(event(torch.cuda.current_stream()))
+        return got
+
     def timed_drain(self: Any, seg: Any, sizes: Any, acquire: Any) -> Any:
-        wave = {"runs": []}
+        if self.index not in probe:
+            probe[self.index] = torch.cuda.Stream(self.device)
+        wave = {"runs": [], "issued": event(probe[self.index])}
         now["wave"], now["copy"] = wave, self.writer_stream
         t0 = time.perf_counter()
         try:
@@ -190,7 +232,7 @@ def main(argv: list[str]) -> None:
         return view(self, page, nbytes)
 
     tiered.Engine.save = timed_save
-    device.GpuDevice.issue_drain = timed_drain
+    device.GpuDevice.issue_drain, device.deliver_sizes = timed_drain, timed_deliver
     pack.pack_and_checksum, pack.sum_partials = timed_pack, timed_sums
     WavePages.take, HostPool.view = timed_take, timed_view
     atexit.register(lambda: saves and report(len(saves) - 1))

@@ -1033,7 +1033,7 @@ def test_drain_timing_puts_the_idle_link_down_to_the_writer_or_the_packing():
     """scripts/drain_timing.py: each drained run's packing and copy times (from CUDA events)
     become the copies' span and rate, and the link's idle between two copies is put down to the
     writer where the run's packing began after the link went idle, else to the packing; the part
-    at a wave's first run is shown apart."""
+    at a wave's first run is shown apart, and set against when the wave was encoded and issued."""
     dt = _script("drain_timing")
 
     def run(pack_start, pack_end, copy_start, copy_end, first):
@@ -1049,6 +1049,14 @@ def test_drain_timing_puts_the_idle_link_down_to_the_writer_or_the_packing():
                    "issue_ms_max": 3.0}
     assert dt.summary([]) == {"runs": 0}
     assert [dt.variant_of(n) for n in range(4)] == ["B", "A", "B", "A"]
+    # The second wave's first copy came 0.6 ms after the copy before it ended; its drain was
+    # issued 0.3 ms after that end, its compression had ended 4.1 ms before it.
+    runs = [run(10.0, 10.1, 10.1, 11.1, True), run(10.5, 10.6, 11.1, 12.1, False), run(12.6, 12.7, 12.7, 13.7, True)]
+    got = dt.summary(runs, starts=[{"issued": 9.0, "encoded": 5.0}, {"issued": 12.4, "encoded": 8.0}])
+    assert {k: got[k] for k in got if k.startswith(("at_wave_start_idle", "issued", "encoded"))} == {
+        "at_wave_start_idle_ms": 0.6, "issued_late_ms": 0.3, "encoded_late_ms": 0.0, "issued_ahead_ms_median": -0.3,
+        "encoded_ahead_ms_median": 4.1}
+    assert "issued_late_ms" not in dt.summary(runs, starts=[{"issued": 9.0, "encoded": 5.0}])  # (a wave unmatched)
 
 
 def test_a_traced_window_out_of_gpu_memory_costs_the_row_nothing(tmp_path):
