@@ -560,6 +560,28 @@ def test_wait_migrated_covers_every_step_saved_before_it(tmp_path, monkeypatch):
             assert engine.steps("shared") == list(range(1, step + 1))
 
 
+def test_wait_migrated_returns_once_the_tiers_retention_has_run(tmp_path, monkeypatch):
+    """Retention runs after each migrated step; wait_migrated() returns only after it, so the tiers
+    then hold what their rules keep (it returned between the two, and a slower tier's deletion
+    could still be ahead: S3's keep_last seen holding one step too many)."""
+    from tiered.migrate import migrator
+
+    real, ran = migrator.apply_retention, []
+
+    def slow_retention(*args, **kwargs):
+        time.sleep(0.5)  # (a slow tier's deletes)
+        ran.append(real(*args, **kwargs))
+
+    monkeypatch.setattr(migrator, "apply_retention", slow_retention)
+    cfg = cluster(tmp_path, "zstd", migration="in_process")
+    cfg["tiers"][1]["keep_last"] = 1
+    with tiered.Engine.from_config(cfg) as engine:
+        for step in range(1, 4):
+            engine.save(step, {"w": torch.randn(50_000)})
+            engine.wait_migrated(timeout=120)
+            assert len(ran) == step and engine.steps("shared") == [step]
+
+
 @pytest.mark.parametrize("codec", ["zstd", "none"])  # kept as they are / recompressed to zstd
 def test_many_small_tensors_migrate_in_windows_across_tensors(tmp_path, codec, monkeypatch):
     """Windows of one read cross tensor boundaries: a state of hundreds of tensors (empty ones,

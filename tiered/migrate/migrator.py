@@ -493,15 +493,15 @@ class BackgroundMigrator(MigrationLedger):
                 self._fail(exc)
                 self._on_event("failed", step, str(exc))
                 continue
-            self._settle(step)
-            self._on_event("done", step, "")
             if self._failures.pop(step, 0):
                 log.info("tiered: step %d migrated after earlier failures", step)
-            try:
+            try:  # (before the step is settled: `wait` returns with the tiers as their rules leave them)
                 apply_retention(self._config, self._get_tier)
             except BaseException as exc:  # noqa: BLE001 - nothing is deleted that a slower tier lacks
                 log.error("tiered: retention failed (retried after the next migration): %s", exc)
                 self._fail(exc)
+            self._settle(step)
+            self._on_event("done", step, "")
         left = sorted(self._retry_at)
         if left:
             log.warning("tiered: steps %s are not migrated yet (their retries were not due): the next run, or "
