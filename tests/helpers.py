@@ -204,9 +204,12 @@ def exit_without_teardown() -> None:
 
 def cpu_scale_bench(tmp_path: Path, *args: str) -> tuple[dict, str]:
     """Run scripts/bench.py's scale mode, tiny, on the CPU (`--scale 0.02 --train one
-    --window-steps 1`, the local tier under `tmp_path / "bench"`) with `args`; it must exit 0.
-    Returns (the size's results, what it printed)."""
+    --window-steps 1`, `--lead-in-s 0.05` unless `args` set it, the local tier under
+    `tmp_path / "bench"`) with `args`; it must exit 0. Returns (the size's results, what it
+    printed)."""
     out = tmp_path / "out.json"
+    if "--lead-in-s" not in args:  # (the default 2 s of training before each window: seconds a save here)
+        args = ("--lead-in-s", "0.05", *args)
     run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "bench.py"),
                           "--device", "cpu", "--scale", "0.02", "--train", "one", "--window-steps", "1",
                           "--dir", str(tmp_path / "bench"), "--out", str(out), *args],
