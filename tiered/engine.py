@@ -206,8 +206,8 @@ class Engine:
         self.saves.wait()
 
     def wait_migrated(self, timeout: float | None = None) -> None:
-        """Wait until every committed step queued for migration is on every tier, and the tiers'
-        retention rules have run after it; raise the first migration failure since the last call. A failed step stays queued and is retried
+        """Wait until every queued committed step is on every tier and retention has run after it;
+        raise the first migration failure since the last call. A failed step stays queued, retried
         (5 s, doubling to 5 min): after its failure is raised, a later call waits for the retry."""
         self.wait()
         if self._migrator is not None:
