@@ -60,6 +60,15 @@ class Workers:
         """Host staging memory: pinned in the background, as saves need it, where CUDA exists."""
         self._devices: dict[int, Any] = {}
         self._lock = threading.Lock()
+        if self.gpu_ready:
+            # The GPUs this process already holds memory on are readied now, so that their save
+            # kernels load (or compile) on a thread of their own beside the first steps, not inside
+            # the first save, which waited 0.46-1.43 s for them (docs/architecture.md, "Why an
+            # engine readies its GPU when it is made"). No other GPU is touched: a context made
+            # before the process has chosen its GPU would land on the wrong one under torchrun.
+            for index in range(torch.cuda.device_count()):
+                if torch.cuda.memory_allocated(index):
+                    self.device(index)
 
     def device(self, index: int) -> Any:
         """The `tiered.gpu.device.GpuDevice` of GPU `index`, created on first use."""
@@ -71,6 +80,11 @@ class Workers:
                 dev = self._devices[index] = GpuDevice(index, self.config.chunk_size, self.config.budgets,
                                                       self.config.zstd, self.host)
         return dev
+
+    def devices(self) -> list[int]:
+        """The GPUs readied so far (each with its `GpuDevice`), in order."""
+        with self._lock:
+            return sorted(self._devices)
 
     def prepare(self, tensors: Any) -> None:
         """Set up now, not in the first save, the GPU devices that `tensors` live on."""

@@ -101,8 +101,7 @@ class SavePipeline:
         """Guarded optimizers that leave it to the walk's cost (`guard` without `defer_walk`: `DEFER_AFTER_MS`)."""
         self._learned: Learned | None = None
         """What the last guarded save learned of its state: the next one's call walks nothing."""
-        self._logged_new = False
-        self._logged_defer = False
+        self._logged_new = self._logged_defer = False
         self._stage_after = StageAfter()
         """How long after a call the stager thread starts an overlapped save (`guard`'s `stage_after_ms`)."""
         self._reservation = Reservation()
@@ -126,6 +125,7 @@ class SavePipeline:
         (the longest of the standing guards'; "auto": tiered.stage.stage_after), unless something waits
         for it first."""
         after = stage_after_seconds(stage_after_ms)  # (ValueError before anything is guarded)
+        self.workers.prepare([p for g in getattr(optimizer, "param_groups", ()) for p in g.get("params", ())])  # (now)
         self._reservation.wait()  # (what it learns depends on the guards)
         self._guards.append(optimizer)
         self._stage_after.set(optimizer, after)
