@@ -604,18 +604,15 @@ def test_script_ending_right_after_save_still_commits(tmp_path):
 
 
 @pytest.mark.gpu
-def test_an_engine_readies_its_gpu_before_the_first_save_and_never_before_cuda_is_in_use(tmp_path):
+def test_an_engine_readies_the_gpus_its_process_holds_memory_on_and_guard_those_of_its_parameters(tmp_path):
     """A first save without `reserve` waited for its kernels to load (0.46-1.43 s on an H200): an
-    engine made once the process computes on a GPU readies that GPU at once, one made before
-    touches no GPU (under torchrun a context made then could land on the wrong one) and readies
-    the GPU of the parameters `guard` is given."""
+    engine made once the process holds GPU memory readies that GPU at once; one made before
+    readies none (under torchrun it could be the wrong one) until `guard` names the parameters'."""
     script = textwrap.dedent(f"""
-        import ctypes, torch, tiered
+        import torch, tiered
         cfg = {{"tiers": [{{"name": "local", "kind": "local", "path": {str(tmp_path / "local")!r}}}]}}
         early = tiered.Engine.from_config(cfg)
-        cu, flags, active = ctypes.CDLL("libcuda.so.1"), ctypes.c_uint(), ctypes.c_int()
-        assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
-        assert early.workers.devices() == [] and active.value == 0, "no GPU touched before the process uses one"
+        assert early.workers.devices() == [] and torch.cuda.memory_allocated(0) == 0, "no GPU readied yet"
         model = torch.nn.Linear(64, 64).cuda()
         early.guard(torch.optim.AdamW(model.parameters()))
         assert early.workers.devices() == [0] and early.workers.wait_warm(300), "guard() readied the GPU"
