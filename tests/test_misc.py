@@ -879,7 +879,7 @@ def test_the_scale_bench_prints_a_gpu_runs_result_on_a_machine_without_one(capsy
     from pathlib import Path
 
     scale = _script("scale")
-    recorded = Path(__file__).resolve().parent.parent / "docs/bench/2026-11-28-h200-run306-scale24-side.json"
+    recorded = Path(__file__).resolve().parent.parent / "docs/bench/2026-11-28-h200-scale24-side.json"
     scale.print_size(json.loads(recorded.read_text())["scale"][0])
     out = capsys.readouterr().out
     assert "GPU ANS encode 384.2 GB/s alone on one batch of up to 256 chunks (this state at that rate: 63 ms" in out, out
