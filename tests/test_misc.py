@@ -1141,3 +1141,21 @@ def test_the_scale_bench_reads_a_rows_codec_switch_interval_pack_buffer_and_stag
         methods.row_spec("tiered_overlap/lots")
     with pytest.raises(ValueError, match="switch interval"):
         methods.row_spec("tiered_overlap@0/1GiB")
+
+
+def test_first_save_script_times_a_first_and_a_warm_save_and_sums_the_registrations(tmp_path, capsys):
+    """scripts/first_save.py: a first strict save and a warm one, each a JSON line (on the CPU a
+    smoke run); the registrations it waited beside summed from (start, seconds) pairs."""
+    import json
+
+    fs = _script("first_save")
+    out = tmp_path / "first.jsonl"
+    assert fs.main(["--gb", "0.02", "--wait-s", "0", "--pin-first", "--ready", "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line.get("save") for line in lines] == [None, 1, 2], lines
+    assert lines[0]["kernels_ready"] and lines[0]["gb"] == 0.02
+    assert all(line["stall_ms"] >= line["call_ms"] > 0 and line["timings_ms"]["staged_ms"] > 0 for line in lines[1:])
+    assert capsys.readouterr().out.count("\n") == 3
+    got = fs.pins([(10.0, 0.015), (10.02, 0.013), (10.04, 0.131)], 9.99)
+    assert got == {"registrations": 3, "register_s": 0.159, "register_ms_median": 15.0, "register_ms_max": 131.0,
+                   "last_register_end_ms": 181.0}, got
