@@ -123,9 +123,9 @@ class SavePipeline:
         A guard standing with False keeps the walk in the call; one with None keeps the rule.
         `stage_after_ms`: the stager thread starts each save no sooner than this after its call
         (the longest of the standing guards'; "auto": tiered.stage.stage_after), unless something waits
-        for it first."""
+        for it first. The GPUs of its parameters are readied now: their save kernels load beside training."""
         after = stage_after_seconds(stage_after_ms)  # (ValueError before anything is guarded)
-        self.workers.prepare([p for g in getattr(optimizer, "param_groups", ()) for p in g.get("params", ())])  # (now)
+        self.workers.prepare([p for g in getattr(optimizer, "param_groups", ()) for p in g.get("params", ())])
         self._reservation.wait()  # (what it learns depends on the guards)
         self._guards.append(optimizer)
         self._stage_after.set(optimizer, after)
