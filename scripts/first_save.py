@@ -17,7 +17,7 @@ largest and total, and when the last ended), the engine's phases (`handle.timing
 first calls of the steps that load or wait on a first save: nvCOMP's encode, the kernel that
 stores a wave's sizes into pinned memory (`deliver`). `--pool-only` pins `--gb` of host staging
 memory alone (the engine's pool, no save) and prints its rate: on a virtual machine, memory
-pinned for the first time since the machine started registered ~7x slower than memory it had
+pinned for the first time since the machine started registered 2-9x slower than memory it had
 pinned before (docs/benchmarks.md, "The first save without reserve"). Without CUDA the state is
 on the CPU (a smoke run: no registration, no GPU phases).
 """
