@@ -519,6 +519,20 @@ def test_host_pool_touches_each_block_before_pinning_it():
     pool.close()
 
 
+def test_the_touching_threads_are_this_ranks_share_of_its_cores(monkeypatch):
+    """As many touching threads as the cores the process may run on over the node's local ranks,
+    at most TOUCH_THREADS, at least one."""
+    from tiered.stage import pools
+
+    monkeypatch.setattr(pools.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert pools.touch_workers() == pools.TOUCH_THREADS == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert pools.touch_workers() == 8
+    monkeypatch.setattr(pools.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert pools.touch_workers() == 1
+
+
 def test_host_pool_maps_what_the_kernel_grants(tmp_path):
     """Under an address-space limit (as strict overcommit accounting imposes), the pool maps the
     most it is granted, halving, and says so, rather than failing the engine."""
