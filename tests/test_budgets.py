@@ -520,16 +520,20 @@ def test_host_pool_touches_each_block_before_pinning_it():
 
 
 def test_the_touching_threads_are_this_ranks_share_of_its_cores(monkeypatch):
-    """As many touching threads as the cores the process may run on over the node's local ranks,
-    at most TOUCH_THREADS, at least one."""
+    """As many touching threads as the machine's cores over the node's local ranks, or the cores a
+    launcher bound the process to where those are fewer (its share already), at most
+    TOUCH_THREADS, at least one."""
     from tiered.stage import pools
 
+    monkeypatch.setattr(pools.os, "cpu_count", lambda: 64)
     monkeypatch.setattr(pools.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert pools.touch_workers() == pools.TOUCH_THREADS == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert pools.touch_workers() == 8
-    monkeypatch.setattr(pools.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(pools.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    assert pools.touch_workers() == 12, "bound to 12 cores: those are this rank's, not 12 / 8"
+    monkeypatch.setattr(pools.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert pools.touch_workers() == 1
 
 

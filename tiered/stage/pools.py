@@ -366,14 +366,18 @@ class HostPool:
 
 
 def touch_workers() -> int:
-    """Threads that touch pages ahead of the pinner: this rank's share of the cores it may run on
-    (its affinity over the node's local ranks), at most TOUCH_THREADS. They run only while memory
-    is pinned (once, at start-up or in the first save), at a lower CPU priority than training."""
+    """Threads that touch pages ahead of the pinner: this rank's share of the cores, at most
+    TOUCH_THREADS: the cores it is bound to where a launcher bound it to fewer than the machine's
+    (its share already), else the machine's over the node's local ranks. They run only while
+    memory is pinned (once, at start-up or in the first save), at a lower CPU priority than
+    training."""
+    cores = os.cpu_count() or 1
     try:
-        cores = len(os.sched_getaffinity(0))
+        bound = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(TOUCH_THREADS, cores // local_ranks()))
+        bound = cores
+    share = bound if bound < cores else cores // local_ranks()
+    return max(1, min(TOUCH_THREADS, share))
 
 
 def _ask_huge_pages(mm: mmap.mmap) -> None:
