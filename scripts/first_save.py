@@ -9,7 +9,10 @@ after the state exists (as the README's loop makes it), the process waits `--wai
 before a first save), and then:
 
 - `--pin-first`: the host staging memory is pinned first (`engine.reserve(nbytes)`, waited for);
-- `--ready`: the save kernels are waited for (`engine.workers.wait_warm()`).
+- `--ready`: the save kernels are waited for (`engine.workers.wait_warm()`);
+- `--pin-block-mib N`, `--touch-threads N`: the pinner registers blocks of N MiB (default
+  `tiered.stage.pools.PIN_BLOCK`) and at most N threads touch their pages first (default
+  `TOUCH_THREADS`): to weigh them against each other, a process each.
 
 Each save prints one JSON line: its call and stall (until the training stream may go on), the
 host memory registrations it waited beside (`cuMemHostRegister`, each timed: their count, median,
@@ -92,11 +95,10 @@ def first_calls(spans: dict[str, list[float]]) -> dict:
 
 def pool_only(nbytes: int) -> dict:
     """Pin `nbytes` of the engine's host pool alone, as a first save would have it pinned."""
-    from tiered.gpu.runtime import host_registration
-    from tiered.stage.pools import HostPool
+    from tiered.gpu import runtime
 
-    pin, unpin = host_registration()
-    pool = HostPool(nbytes, pin=pin, unpin=unpin)
+    pin, unpin = runtime.host_registration()
+    pool = runtime.HostPool(nbytes, pin=pin, unpin=unpin)
     t0 = time.perf_counter()
     pool.want(nbytes)
     pool.wait_pinned()
@@ -114,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin-first", action="store_true", help="pin the host staging memory before the save")
     ap.add_argument("--ready", action="store_true", help="wait for the save kernels before the save")
     ap.add_argument("--pool-only", action="store_true", help="only pin --gb of host staging memory, timed")
+    ap.add_argument("--pin-block-mib", type=int, help="bytes registered per call, in MiB (default: the engine's)")
+    ap.add_argument("--touch-threads", type=int, help="most threads touching pages ahead of the pinner")
     ap.add_argument("--dir", help="the local tier's directory (default: a temporary one, removed)")
     ap.add_argument("--out", help="append the JSON lines to this file too")
     args = ap.parse_args(argv)
+    settings = pinner(args.pin_block_mib, args.touch_threads)
     cuda = torch.cuda.is_available()
     log: list[tuple[float, float]] = []
     spans: dict[str, list[float]] = {}
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
         runtime.host_registration = registrations(log)
     if args.pool_only:
-        lines = [{"pool_only": True, **(pool_only(int(args.gb * GB)) if cuda else {"skipped": "no CUDA"})}]
+        lines = [{"pool_only": True, **settings,
+                  **(pool_only(int(args.gb * GB)) if cuda else {"skipped": "no CUDA"})}]
         return emit(lines, args.out)
     import tiered
 
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 "path": str(root / "local"), "keep_last": 1}]})
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     head = {"gb": round(nbytes / GB, 2), "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "readied_at_construction": engine.workers.devices()}
+            "readied_at_construction": engine.workers.devices(), **settings}
     if args.pin_first:
         t0 = time.perf_counter()
         engine.reserve(nbytes)
@@ -188,6 +194,27 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     return emit(lines, args.out)
+
+
+def pinner(block_mib: int | None, touch_threads: int | None) -> dict:
+    """Set the pinner's block size and its touching threads for this process (None: as the engine
+    has them); what they are now, for the JSON lines."""
+    from functools import partial
+
+    from tiered.gpu import runtime
+    from tiered.stage import pools
+
+    block = pools.PIN_BLOCK
+    if block_mib is not None:
+        if block_mib <= 0:
+            raise SystemExit(f"--pin-block-mib must be positive, not {block_mib}")
+        block = block_mib << 20
+        runtime.HostPool = partial(pools.HostPool, block=block)
+    if touch_threads is not None:
+        if touch_threads <= 0:
+            raise SystemExit(f"--touch-threads must be positive, not {touch_threads}")
+        pools.TOUCH_THREADS = touch_threads
+    return {"pin_block_mib": block >> 20, "touch_threads": pools.touch_workers()}
 
 
 def emit(lines: list[dict], out: str | None) -> int:

@@ -1159,3 +1159,28 @@ def test_first_save_script_times_a_first_and_a_warm_save_and_sums_the_registrati
     got = fs.pins([(10.0, 0.015), (10.02, 0.013), (10.04, 0.131)], 9.99)
     assert got == {"registrations": 3, "register_s": 0.159, "register_ms_median": 15.0, "register_ms_max": 131.0,
                    "last_register_end_ms": 181.0}, got
+
+
+def test_first_save_script_sets_the_pinners_block_and_touching_threads(tmp_path, monkeypatch, capsys):
+    """scripts/first_save.py --pin-block-mib / --touch-threads: the engine it makes registers
+    blocks of that size with at most that many touching threads, and its lines say so; a size
+    that is not positive is refused by name."""
+    import json
+
+    from tiered.gpu import runtime
+    from tiered.stage import pools
+
+    monkeypatch.setattr(runtime, "HostPool", runtime.HostPool)  # (restored after the test)
+    monkeypatch.setattr(pools, "TOUCH_THREADS", pools.TOUCH_THREADS)
+    fs = _script("first_save")
+    out = tmp_path / "first.jsonl"
+    assert fs.main(["--gb", "0.02", "--wait-s", "0", "--pin-block-mib", "64", "--touch-threads", "1",
+                    "--out", str(out)]) == 0
+    head = json.loads(out.read_text().splitlines()[0])
+    assert head["pin_block_mib"] == 64 and head["touch_threads"] == 1, head
+    pool = runtime.HostPool(256 << 20, pin=lambda addr, n: True, unpin=lambda addr: None)
+    assert pool.max_run_bytes == 64 << 20 and pools.touch_workers() == 1
+    pool.close()
+    with pytest.raises(SystemExit, match="--pin-block-mib must be positive, not 0"):
+        fs.main(["--pin-block-mib", "0"])
+    capsys.readouterr()
