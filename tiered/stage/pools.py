@@ -215,6 +215,7 @@ class HostPool:
         else:
             _ask_huge_pages(self._mm)
         self._toucher: ThreadPoolExecutor | None = None
+        self._touchers = 1
 
     def _map(self) -> mmap.mmap:
         """The mapping: the whole capacity, or, where the kernel refuses that much address space
@@ -307,13 +308,13 @@ class HostPool:
         writing a zero into each page (pages not yet handed out: nothing is overwritten).
         Registering backed pages is ~15x faster than letting the registration fault them in one
         at a time, and the threads let the GIL go while they write."""
-        workers = touch_workers()
-        if self._toucher is None:
-            self._toucher = ThreadPoolExecutor(workers, thread_name_prefix="tiered-touch",
+        if self._toucher is None:  # (its threads counted once: every block is split among them)
+            self._touchers = touch_workers()
+            self._toucher = ThreadPoolExecutor(self._touchers, thread_name_prefix="tiered-touch",
                                                initializer=threads.lower_priority)
         assert self.buffer is not None
         pages = self.buffer.numpy()
-        share = max(_TOUCH_ALIGN, -(-nbytes // workers // _TOUCH_ALIGN) * _TOUCH_ALIGN)
+        share = max(_TOUCH_ALIGN, -(-nbytes // self._touchers // _TOUCH_ALIGN) * _TOUCH_ALIGN)
         return [self._toucher.submit(_touch_pages, pages, lo, min(off + nbytes, lo + share), self.page)
                 for lo in range(off, off + nbytes, share)]
 
