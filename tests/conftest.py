@@ -13,8 +13,12 @@ HAS_GPU = gpu_stack_available()
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("gpu") and not HAS_GPU:
-            item.add_marker(pytest.mark.skip(reason="needs CUDA with nvCOMP and KvikIO"))
+        if item.get_closest_marker("gpu"):
+            if not HAS_GPU:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA with nvCOMP and KvikIO"))
+            # Run by two workers (`pytest -n 2 --dist loadgroup`, as CI does), the GPU tests go to
+            # one of them: some read the GPU's free memory, which another process's test would move.
+            item.add_marker(pytest.mark.xdist_group("gpu"))
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
