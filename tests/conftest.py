@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 
@@ -13,12 +14,21 @@ HAS_GPU = gpu_stack_available()
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("gpu"):
-            if not HAS_GPU:
-                item.add_marker(pytest.mark.skip(reason="needs CUDA with nvCOMP and KvikIO"))
-            # Run by two workers (`pytest -n 2 --dist loadgroup`, as CI does), the GPU tests go to
-            # one of them: some read the GPU's free memory, which another process's test would move.
-            item.add_marker(pytest.mark.xdist_group("gpu"))
+        if item.get_closest_marker("gpu") and not HAS_GPU:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA with nvCOMP and KvikIO"))
+
+
+@pytest.fixture(autouse=True)
+def one_gpu_test_at_a_time(request, tmp_path_factory):
+    """Run by several workers (`pytest -n 2`, as CI does), the GPU tests still run one at a time:
+    some read the GPU's free memory, which another worker's test would move. The lock file lies
+    in the run's temporary folder, which pytest-xdist's workers share."""
+    if not (HAS_GPU and request.node.get_closest_marker("gpu")):
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "tiered-gpu-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
