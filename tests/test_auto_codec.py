@@ -256,7 +256,6 @@ def test_reserve_on_gpu_measures_a_full_batch_and_gives_its_memory_back(tmp_path
     assert caplog.text.count("at reserve()") == 1 and "measuring failed" not in caplog.text
 
 
-
 @pytest.mark.gpu
 def test_a_host_late_to_queue_the_timed_encode_does_not_slow_the_measured_rate(tmp_path, monkeypatch, caplog):
     """Launches held up on the host (behind a registration of pinned memory, as while `reserve`
