@@ -6,9 +6,11 @@ timing events around every drained run.
 
 takes scripts/bench.py's arguments and runs it with hooks on the drain's public steps
 (tiered.gpu.pack's `pack_and_checksum` and `sum_partials`, tiered.stage.pools' `WavePages.take`
-and `HostPool.view`): for each run of rows a drained wave sends to the host, an event on the
-packing stream before and after its packing, and one on the copy stream before and after its copy
-(the copy's start event fires once the copy before it is done *and* its own packing is). A copy
+and `HostPool.view`; tiered.gpu.batch_copy's `copy_batch`): for each run of rows a drained wave
+sends to the host, an event on the packing stream before and after its packing, and one on the
+copy stream before and after its copy (the copy's start event fires once the copy before it is
+done *and* its own packing is). A run copied straight from the slab's rows (tiered.gpu.drain's
+`DIRECT_COPIES`) has no packing: its idle link is the writer's (or its wave's compression). A copy
 that starts after the one before it ended left the link idle; that idle is put down to
 
 - **the writer**, where the run's packing began after the link had gone idle: its packing had not
@@ -26,7 +28,7 @@ stream) and when the writer began issuing its drain (an event on a stream with n
 fires as the host records it): `wave_starts`.
 
 `--alternate '{"A": {...}, "B": {...}}'` makes the saves alternate between two settings of the
-drain's module constants (`tiered.gpu.write.DRAIN_DEPTH`, tiered.gpu.device's): the first save
+drain's module constants (`tiered.gpu.write.DRAIN_DEPTH`, tiered.gpu.drain's, tiered.gpu.device's): the first save
 and every odd one take B, every even one A, so both share one engine, slab, machine and run. A
 traced save (`bench.py --trace`) shows every copy but is the row's last, after a pause, and runs
 under the profiler's host cost; these events cost the writer four records a run.
@@ -124,24 +126,28 @@ def main(argv: list[str]) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("drain_timing.py times a GPU's drain: it needs CUDA (scripts/bench.py runs on the CPU)")
     import tiered
+    import tiered.gpu.batch_copy as batch_copy
     import tiered.gpu.device as device
+    import tiered.gpu.drain as drain
     import tiered.gpu.pack as pack
     import tiered.gpu.write as write
     from tiered.stage.pools import HostPool, WavePages
 
-    where = {"DRAIN_DEPTH": write}
+    where: dict[str, Any] = {}
     if args.alternate is not None:
         for setting in args.alternate.values():
             for key in setting:
-                where.setdefault(key, device)
-                if not hasattr(where[key], key):
-                    raise SystemExit(f"--alternate: {key} is not a constant of tiered.gpu.write or tiered.gpu.device")
+                holder = next((m for m in (write, drain, device) if hasattr(m, key)), None)
+                if holder is None:
+                    raise SystemExit(f"--alternate: {key} is not a constant of tiered.gpu.write, tiered.gpu.drain or "
+                                     "tiered.gpu.device")
+                where[key] = holder
 
     saves: list[dict[str, Any]] = []
     now: dict[str, Any] = {"wave": None, "copy": None}
-    save, issue_drain, pack_and_checksum, sum_partials, take, view, deliver_sizes = (
+    save, issue_drain, pack_and_checksum, sum_partials, take, view, deliver_sizes, copy_batch = (
         tiered.Engine.save, device.GpuDevice.issue_drain, pack.pack_and_checksum, pack.sum_partials, WavePages.take,
-        HostPool.view, device.deliver_sizes)
+        HostPool.view, device.deliver_sizes, batch_copy.copy_batch)
     probe: dict[int, Any] = {}  # per GPU, a stream with no work: an event on it fires when the host records it
 
     def event(stream: Any) -> Any:
@@ -218,23 +224,36 @@ def main(argv: list[str]) -> None:
             copy_ended(now["wave"])
         return sum_partials(parts, sums)
 
+    def packed_run(wave: Any) -> bool:
+        return wave is not None and bool(wave["runs"]) and not wave["runs"][-1].get("direct")
+
     def timed_take(self: Any, pages: int) -> Any:
         got = take(self, pages)
-        wave = now["wave"]
-        if wave is not None and wave["runs"]:
-            wave["runs"][-1]["copy_start"] = event(now["copy"])
+        if packed_run(now["wave"]):
+            now["wave"]["runs"][-1]["copy_start"] = event(now["copy"])
         return got
 
     def timed_view(self: Any, page: int, nbytes: int) -> Any:
-        wave = now["wave"]
-        if wave is not None and wave["runs"]:
-            wave["runs"][-1]["bytes"] = int(nbytes)
+        if packed_run(now["wave"]):
+            now["wave"]["runs"][-1]["bytes"] = int(nbytes)
         return view(self, page, nbytes)
+
+    def timed_batch(dsts: Any, srcs: Any, sizes: Any, stream: Any) -> None:
+        wave = now["wave"]
+        if wave is None:
+            return copy_batch(dsts, srcs, sizes, stream)
+        start = event(stream)  # (fires once the copies before it, and the wave's compression, are done)
+        run = {"pack_start": start, "pack_end": start, "copy_start": start, "first": not wave["runs"],
+               "direct": True, "bytes": int(sum(int(n) for n in sizes))}
+        copy_batch(dsts, srcs, sizes, stream)
+        run["copy_end"] = event(stream)
+        wave["runs"].append(run)
 
     tiered.Engine.save = timed_save
     device.GpuDevice.issue_drain, device.deliver_sizes = timed_drain, timed_deliver
     pack.pack_and_checksum, pack.sum_partials = timed_pack, timed_sums
     WavePages.take, HostPool.view = timed_take, timed_view
+    batch_copy.copy_batch = timed_batch
     atexit.register(lambda: saves and report(len(saves) - 1))
     bench = Path(__file__).resolve().parent / "bench.py"
     sys.argv = [str(bench), *rest]

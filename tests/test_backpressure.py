@@ -130,7 +130,7 @@ def test_a_stalled_s3_never_holds_save(tmp_path, s3_server, s3_bucket, monkeypat
 def test_gpu_memory_does_not_grow_with_a_backlog(tmp_path, monkeypatch):
     """GPU saves issued faster than a slowed disk drains: the engine's GPU memory (slab, pack
     buffer, write staging, codec scratch) is what one save needs, however long the backlog."""
-    from tiered.gpu.device import write_staging_bytes
+    from tiered.gpu.drain import write_staging_bytes
 
     real = LocalDataWriter.write_device
 

@@ -306,14 +306,24 @@ def test_small_budgets_work_in_waves(tier_config, device, codec, caplog):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("direct", [True, False], ids=["copied-from-the-rows", "packed-first"])
 @pytest.mark.parametrize("mapped", [True, False], ids=["sizes-in-pinned-memory", "sizes-copied"])
-def test_a_drain_keeps_every_step_whether_its_kernels_reach_pinned_memory_or_not(tier_config, monkeypatch, mapped):
-    """A drained wave's sizes, offsets and checksums either stay in pinned memory, read and stored
-    there by the packing kernels (`MAPPED_IO`), or cross on a stream of their own: either way
-    every step restores bit-exact, each chunk's checksum verified as it is read."""
-    from tiered.gpu import device as gpu_device
+def test_a_drain_keeps_every_step_whether_its_kernels_reach_pinned_memory_or_not(tier_config, monkeypatch, mapped,
+                                                                                  direct):
+    """A drained wave's rows either cross straight from the slab, batched (`DIRECT_COPIES`), or
+    packed into staging buffers first; its sizes, offsets and checksums either stay in pinned
+    memory, read and stored there by the kernels (`MAPPED_IO`), or cross on a stream of their
+    own: every way, every step restores bit-exact, each chunk's checksum verified as it is read."""
+    from tiered.gpu import batch_copy, drain
 
-    monkeypatch.setattr(gpu_device, "MAPPED_IO", mapped)
+    monkeypatch.setattr(drain, "MAPPED_IO", mapped)
+    monkeypatch.setattr(drain, "DIRECT_COPIES", direct)
+    if direct:
+        assert batch_copy.available(), batch_copy.why_not()
+    used = []
+    for way in ("_direct", "_packed"):
+        real = getattr(drain.Drainer, way)
+        monkeypatch.setattr(drain.Drainer, way, lambda self, *a, _real=real, _way=way: used.append(_way) or _real(self, *a))
     cfg = tier_config("ans", gpu_buffer="5MiB", pack_buffer="4MiB", host_buffer="6MiB")
     states = [{f"t{i}": torch.randn(700_000 + 1000 * i, device="cuda") for i in range(6)} for _ in range(3)]
     with tiered.Engine.from_config(cfg) as engine:
@@ -324,6 +334,7 @@ def test_a_drain_keeps_every_step_whether_its_kernels_reach_pinned_memory_or_not
             target = zeros_like_state(state)
             engine.restore(target, step=step)
             assert_same(state, target, f"step {step}")
+    assert used and set(used) == {"_direct" if direct else "_packed"}, used
 
 
 @pytest.mark.gpu

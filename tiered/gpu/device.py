@@ -12,9 +12,9 @@ copy *is* the snapshot. `save()` returns without waiting for the GPU at all. The
 writer (tiered.gpu.write) later reads the compressed sizes; then, on its own stream, each row's
 padding is zeroed and its checksum computed on the GPU (tiered.gpu.pack), and runs of rows
 go out end to end: from GPU staging buffers through KvikIO (the state fits the slab), or, for a
-state larger than the slab, packed into a staging buffer and copied into pinned host memory
-(only compressed bytes cross PCIe) to be written from there in large requests on several
-threads, so the slab is free again at the speed of PCIe, not of the disk.
+state larger than the slab, copied into pinned host memory (tiered.gpu.drain: only compressed
+bytes cross PCIe) to be written from there in large requests on several threads, so the slab is
+free again at the speed of PCIe, not of the disk.
 
 Restore (`GpuDevice.restore`) is in tiered.gpu.decode. Imported only when CUDA is in use.
 """
@@ -33,38 +33,22 @@ from tiered.codecs import get_codec
 from tiered.config import Budgets, ZstdSettings
 from tiered.errors import TieredError
 from tiered.format.checksum import unsigned, wsum64_rows_torch
-from tiered.format.chunks import ALIGNMENT, extent_runs
+from tiered.format.chunks import ALIGNMENT
 from tiered.format.manifest import TensorRecord
+from tiered.gpu import batch_copy
 from tiered.gpu import pack as gpu_checksum
 from tiered.gpu.decode import CHECKSUM_ROWS, restore_on
+from tiered.gpu.drain import WRITE_STAGING, Drainer, gather_rows, wave_io, write_staging_bytes
 from tiered.gpu.layout import Layout, Span
 from tiered.gpu.waves import (ENCODE_STREAMS, DrainedRows, EncodeClock, RowsSegment, WaveSizes, deliver_sizes,
                               encode_slots)
 from tiered.stage.budgets import auto_gpu_buffer
 from tiered.stage.host_copy import HostCopier
 from tiered.stage.plan import TensorPlan
-from tiered.stage.pools import HostPool, RowRing, WavePages
+from tiered.stage.pools import HostPool, RowRing
 from tiered.units import format_size, round_up
 
 log = logging.getLogger("tiered")
-
-_WRITE_STAGING = 64 << 20
-"""Bytes per coalesced write (two such GPU buffers per device): 4 KvikIO tasks of 16 MiB; less
-where the gpu_buffer budget is small (`write_staging_bytes`)."""
-
-
-MAPPED_IO = True
-"""A drain's kernels read a wave's sizes and offsets from pinned memory and store its checksums
-there (as `tiered.gpu.pack.deliver` does): no small copy waits behind the drain's copies, and a
-wave's first packing waits for its compression only. Off, or where a kernel cannot reach pinned
-memory, they cross on `io_stream`."""
-
-
-def write_staging_bytes(gpu_buffer: int) -> int:
-    """Bytes of each of the two write staging buffers: _WRITE_STAGING, or a sixteenth of the
-    gpu_buffer budget where that is smaller (at least 1 MiB), so that small budgets stay small."""
-    return min(_WRITE_STAGING, max(1 << 20, gpu_buffer // 16 // ALIGNMENT * ALIGNMENT))
-
 
 @dataclass
 class GpuDevice:
@@ -99,9 +83,7 @@ class GpuDevice:
     _staging: list[torch.Tensor] | None = field(default=None, init=False)
     _busy: list[Any] = field(default_factory=lambda: [None, None], init=False)
     _next_slot: int = field(default=0, init=False)
-    _drain_slot: int = field(default=0, init=False)
-    _drained_from: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None], init=False)
-    """Per staging buffer, recorded after the last copy out of it that a drain issued."""
+    _drainer: Drainer | None = field(default=None, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _warned: set = field(default_factory=set, init=False)
     _clock: EncodeClock | None = field(default=None, init=False)
@@ -119,9 +101,8 @@ class GpuDevice:
         self.io_stream = torch.cuda.Stream(dev, priority=self.priority)
         self.encode_streams = [torch.cuda.Stream(dev, priority=self.priority) for _ in range(ENCODE_STREAMS)]
         # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
-        # training, rather than inside the first save's drain.
-        self._warm_up = threading.Thread(target=gpu_checksum.warm_up, args=(self.index,), name="tiered-warm-up",
-                                         daemon=True)
+        # training, rather than inside the first save's drain; a batched copy is tried once.
+        self._warm_up = threading.Thread(target=_warm_up, args=(self.index,), name="tiered-warm-up", daemon=True)
         self._warm_up.start()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
@@ -248,7 +229,7 @@ class GpuDevice:
             # The pack buffer first: where it does not fit, this save fails naming its budget and
             # the next one tries again, rather than finding a slab and no pack buffer.
             self._pack_buffer()
-            rows = max(4, self.budget(nchunks * stride, 2 * _WRITE_STAGING, 2 * self._wave_rows * stride,
+            rows = max(4, self.budget(nchunks * stride, 2 * WRITE_STAGING, 2 * self._wave_rows * stride,
                                       "the save slab") // stride)
             # Allocated on the stream that first writes them: with torch.use_deterministic_algorithms
             # (Lightning's deterministic=True), new memory is filled with NaN by a kernel on the
@@ -382,7 +363,7 @@ class GpuDevice:
                                 f"slab ({format_size(slab)})",
                                 "Raise budgets.host_buffer (or gpu_buffer, where GPU memory is free)")
 
-    def _checksums(self, seg: RowsSegment, sizes: Sequence[int], dev: torch.Tensor) -> None:
+    def pad_and_sum(self, seg: RowsSegment, sizes: Sequence[int], dev: torch.Tensor) -> None:
         """On the writer stream (current), after the wave's compression: zero each row past its
         chunk up to its aligned extent, in place, and checksum it (wsum64) into `dev[1]` (`dev`:
         the wave's int64 (3, rows) on this GPU, sizes in dev[0])."""
@@ -397,28 +378,17 @@ class GpuDevice:
             parts.append(wsum64_rows_torch(rows, round_up(max(sizes[r:r + CHECKSUM_ROWS]), 4) // 4))
         dev[1].copy_(torch.cat(parts))
 
-    def _wave_io(self, sizes: Sequence[int], offsets: Any = 0,
-                 send: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pinned, on this GPU): the wave's int64 (3, rows): sizes, checksums (filled on the GPU),
-        and each row's word offset in its packed run; sent without waiting (a plain copy from
-        pageable memory would synchronize the writer stream, and so the drain's pipeline); not
-        `send`: the pinned tensor twice (`MAPPED_IO`)."""
-        io = torch.empty((3, len(sizes)), dtype=torch.int64, pin_memory=True)
-        io[0].numpy()[:] = sizes
-        io[2].numpy()[:] = offsets
-        return io, io.to(self.device, non_blocking=True) if send else io
-
     def finish_rows(self, seg: RowsSegment, sizes: Sequence[int]) -> list[int]:
         """Zero each GPU row past its chunk and return the rows' wsum64 checksums (waits for them)."""
         with torch.cuda.device(self.index), torch.cuda.stream(self.writer_stream):
             self.writer_stream.wait_event(seg.ready)  # (the wave's compression)
-            io, dev = self._wave_io(sizes)
-            self._checksums(seg, sizes, dev)
+            io, dev = wave_io(self.device, sizes)
+            self.pad_and_sum(seg, sizes, dev)
             io[1].copy_(dev[1], non_blocking=True)
             self.writer_stream.synchronize()
         return unsigned(io[1])
 
-    def _staging_buffers(self, at_least: int = 0) -> list[torch.Tensor]:
+    def staging_buffers(self, at_least: int = 0) -> list[torch.Tensor]:
         """The two GPU staging buffers of `write_staging_bytes` each (at least `at_least` bytes:
         a drained run holds at least one row), allocated on first use."""
         size = write_staging_bytes(self._slab.numel() if self._slab is not None else self.budgets.gpu_buffer or 0)
@@ -438,7 +408,7 @@ class GpuDevice:
         slot it waits for the write that `hold(slot, writer, future)` registered on it (a write of
         an earlier, closed writer is complete). Rows larger than a buffer are yielded as they are
         (slot -1). `limit` caps the bytes yielded at once (a row itself may exceed it)."""
-        size = self._staging_buffers()[0].numel()
+        size = self.staging_buffers()[0].numel()
         size = min(size, limit or size)
         with torch.cuda.device(self.index):
             i, n = 0, len(extents)
@@ -458,88 +428,18 @@ class GpuDevice:
                     writer.wait_for(busy[1])
                 buf = self._staging[slot][:total]
                 with torch.cuda.stream(self.writer_stream):
-                    _gather_rows(seg, i, k, extents, buf)
+                    gather_rows(seg, i, k, extents, buf)
                 self.writer_stream.synchronize()
                 yield i, k, buf, slot
                 i = k
 
     def issue_drain(self, seg: RowsSegment, sizes: Sequence[int],
                     acquire: Callable[[RowRing, int], int]) -> "DrainedRows":
-        """Issue, without waiting, all the GPU work of draining a wave: each run of rows (at most
-        a staging buffer, or one pinned block) is packed end to end on the GPU into one of the two
-        staging buffers, padding zeroed and checksums computed in the same pass (tiered.gpu.pack),
-        and copied from there into pinned host pages as one copy: only compressed bytes cross
-        PCIe, and each run is one large host write. `acquire(ring, pages)` hands out pages of the
-        host pool's ring (it may wait for writes to free some). The packing runs on a stream of its
-        own and the copies on the writer stream, each waiting for the other through events: run
-        k+1 is packed into one buffer while run k crosses PCIe from the other, so the copy engine
-        does not stand idle while a run is packed (with both on one stream it did, ~30 ms of a
-        24 GB drain). The wave's sizes, offsets and checksums cross on a third (`io_stream`): the
-        copy stream holds only the runs' copies, and no small copy waits there between two large
-        ones; with `MAPPED_IO` they cross no copy engine at all. The writer issues the next wave
-        before it places this one's chunks (tiered.gpu.write). The copies are noted (`note_copies`)."""
-        host = self.host
-        stride = seg.rows.shape[1]
-        with torch.cuda.device(self.index):
-            buffers = self._staging_buffers(stride)
-        limit = min(buffers[0].numel(), host.max_run_bytes)  # (a run holds one row at least)
-        runs: list[tuple[int, int, torch.Tensor, Callable[[], None]]] = []
-        extents, bounds, offsets = extent_runs(sizes, limit)
-        fused = gpu_checksum.available()
-        mapped = fused and MAPPED_IO and gpu_checksum.can_deliver()
-        pages: WavePages | None = None
-        packing, copying = self.pack_stream, self.writer_stream
-        side = packing if mapped else self.io_stream if fused else copying
-        with torch.cuda.device(self.index):
-            try:
-                side.wait_event(seg.ready)  # (the wave's compression)
-                with torch.cuda.stream(side):
-                    io, dev = self._wave_io(sizes, offsets // 4, send=not mapped)
-                    if not fused:
-                        self._checksums(seg, sizes, dev)  # (in place, then gathered with torch copies)
-                if fused and not mapped:
-                    packing.wait_event(_recorded(side))
-                if fused:
-                    with torch.cuda.stream(packing):
-                        parts = gpu_checksum.partials(len(sizes), self.device)
-                pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
-                for i, k, total in bounds:
-                    slot = self._drain_slot if fused else 0  # (the torch path packs and copies on one stream)
-                    self._drain_slot ^= fused
-                    buf = buffers[slot][:total]
-                    if fused:
-                        with torch.cuda.stream(packing):
-                            if self._drained_from[slot] is not None:  # (its last copy out is done)
-                                packing.wait_event(self._drained_from[slot])
-                            gpu_checksum.pack_and_checksum(seg.rows, dev[0], parts, buffers[slot], dev[2], i, k)
-                            copying.wait_event(_recorded(packing))
-                    else:
-                        with torch.cuda.stream(copying):
-                            _gather_rows(seg, i, k, extents, buf)
-                    page, release = pages.take(host.pages(total))
-                    dst = host.view(page, total)
-                    runs.append((i, k, dst, release))
-                    with torch.cuda.stream(copying):
-                        dst.copy_(buf, non_blocking=True)
-                    if fused:  # (the next packing into this buffer waits for it)
-                        self._drained_from[slot] = _recorded(copying)
-                if fused:
-                    with torch.cuda.stream(packing):
-                        gpu_checksum.sum_partials(parts, dev[1])  # (mapped: into io[1] itself)
-                    if not mapped:
-                        side.wait_event(_recorded(packing))
-                if not mapped:
-                    with torch.cuda.stream(side):
-                        io[1].copy_(dev[1], non_blocking=True)
-            except BaseException:
-                for stream in (packing, side, copying):  # nothing issued here may still use the pages or rows
-                    stream.synchronize()
-                if pages is not None:
-                    pages.give_back()
-                raise
-            sums, done = _recorded(side), _recorded(copying)
-        self.note_copies(done)
-        return DrainedRows(list(sizes), io, runs, done, sums)
+        """Issue, without waiting, all the GPU work of draining a wave into pinned host pages
+        (tiered.gpu.drain); `acquire(ring, pages)` hands out pages of the host pool's ring."""
+        if self._drainer is None:
+            self._drainer = Drainer(self)
+        return self._drainer.issue(seg, sizes, acquire)
 
     def note_copies(self, done: torch.cuda.Event) -> None:
         """`done` is recorded after copies to the host: a read of compressed sizes waits for it
@@ -578,11 +478,6 @@ class GpuDevice:
             restore_on(self, items, reader, chunk_size, repair)
 
 
-def _gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:
-    """On the current stream: rows i..k-1's aligned extents end to end into `buf` (one fused copy)."""
-    torch._foreach_copy_(list(buf.split(extents[i:k])), [seg.rows[r, :extents[r]] for r in range(i, k)])
-
-
 class _Sources:
     """Where a wave's encode calls read their chunks: the pack buffer, or (codecs that read in
     place) one span over it and the tensors the wave reads in place (gpu_layout.Wave.sources)."""
@@ -600,6 +495,11 @@ class _Sources:
         if self.span is not None and codec.reads_in_place:
             return self.span, self.offsets[a:b]
         return self.pack, self.wave.offsets[a:b]
+
+
+def _warm_up(index: int) -> None:
+    gpu_checksum.warm_up(index)
+    batch_copy.warm_up(index)
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -44,7 +44,7 @@ if triton is not None:
         row) takes every kind of value, and the rows of a wave's (3, n) sizes / sums / offsets
         tensor are aligned only for even n: the first saves compiled up to four more variants,
         each during a save, after `warm_up` (a first save's stall 1.47 s against
-        0.11-0.22 s warm). One variant per PACK serves every value now. (`rows`, `dst` and `parts`
+        0.11-0.22 s warm). One variant per PACK and STORE serves every value now. (`rows`, `dst` and `parts`
         keep their alignment specialization: they are 4 KiB-aligned or fresh allocations, and it
         vectorizes their loads.)"""
         def wrap(fn):
@@ -56,8 +56,8 @@ if triton is not None:
         return wrap
 
     @_jit(["sizes", "dst_words"])
-    def _rows_kernel(rows, row_words, sizes, parts, dst, dst_words, first, PACK: tl.constexpr, BLOCK: tl.constexpr,
-                     SLICES: tl.constexpr):
+    def _rows_kernel(rows, row_words, sizes, parts, dst, dst_words, first, PACK: tl.constexpr, STORE: tl.constexpr,
+                     BLOCK: tl.constexpr, SLICES: tl.constexpr):
         # Program (i, s) takes slice s of row first + i: whole BLOCKs of its extent, so that a
         # run of ~70 rows is ~560 programs, not 70 (one program per row kept most of the GPU's
         # SMs idle: ~190 GB/s, 103 ms of a 24 GB save's GPU time beside training).
@@ -82,7 +82,7 @@ if triton is not None:
             w = tl.where(offs < full, w, tl.where(offs == full, w & keep, 0))
             if PACK:
                 tl.store(out + offs, w.to(tl.int32), mask=inside)
-            else:
+            elif STORE:
                 tl.store(src + offs, w.to(tl.int32), mask=inside & (offs >= full))
             acc += w * (2 * offs.to(tl.int64) + 1)  # (wraps mod 2**64, as wsum64 is defined)
         tl.store(parts + r * SLICES + s, tl.sum(acc, axis=0))
@@ -137,10 +137,10 @@ def _guarded(launch) -> None:
 
 
 def _launch(rows: torch.Tensor, sizes: torch.Tensor, parts: torch.Tensor, dst: torch.Tensor, offsets: torch.Tensor,
-            first: int, end: int, pack: bool) -> None:
+            first: int, end: int, pack: bool, store: bool = True) -> None:
     _guarded(lambda: _rows_kernel[(end - first, SLICES)](
         rows.view(torch.int32), rows.shape[1] // 4, sizes, parts, dst.view(torch.int32), offsets, first,
-        PACK=pack, BLOCK=_BLOCK, SLICES=SLICES, num_warps=8))
+        PACK=pack, STORE=store, BLOCK=_BLOCK, SLICES=SLICES, num_warps=8))
 
 
 def sum_partials(parts: torch.Tensor, sums: torch.Tensor) -> None:
@@ -157,6 +157,17 @@ def pad_and_checksum(rows: torch.Tensor, sizes: torch.Tensor, sums: torch.Tensor
     if rows.shape[0]:
         parts = partials(rows.shape[0], rows.device)
         _launch(rows, sizes, parts, rows, sizes, 0, rows.shape[0], False)
+        sum_partials(parts, sums)
+
+
+def checksum_rows(rows: torch.Tensor, sizes: torch.Tensor, sums: torch.Tensor) -> None:
+    """On the current stream: each row's wsum64 over its 4 KiB-aligned extent, its bytes from
+    `sizes[r]` on counted as zero, into `sums[r]`, as `pad_and_checksum` gives it; the rows are
+    only read, so copies may read them at the same time (a drain's copies straight from the
+    rows: tiered.gpu.drain)."""
+    if rows.shape[0]:
+        parts = partials(rows.shape[0], rows.device)
+        _launch(rows, sizes, parts, rows, sizes, 0, rows.shape[0], False, store=False)
         sum_partials(parts, sums)
 
 
@@ -213,6 +224,7 @@ def _warm_rows(device: int) -> None:
             sizes = torch.tensor([5], dtype=torch.int64, device=f"cuda:{device}")
             sums = torch.empty(1, dtype=torch.int64, device=f"cuda:{device}")
             pad_and_checksum(rows, sizes, sums)
+            checksum_rows(rows, sizes, sums)
             pack_and_checksum(rows, sizes, partials(1, rows.device), torch.empty(4096, dtype=torch.uint8,
                               device=f"cuda:{device}"), torch.zeros(1, dtype=torch.int64, device=f"cuda:{device}"), 0, 1)
             torch.cuda.current_stream().synchronize()
