@@ -31,8 +31,9 @@ from tiered.gpu.waves import DrainedRows, RowsSegment
 from tiered.stage.pools import RowRing, WavePages
 
 WRITE_STAGING = 64 << 20
-"""Bytes per coalesced write (two such GPU buffers per device, where rows are packed first): 4
-KvikIO tasks of 16 MiB; less where the gpu_buffer budget is small (`write_staging_bytes`)."""
+"""Bytes per coalesced write (two such GPU buffers per device, for rows written from the GPU
+through KvikIO and for drains that pack rows first): 4 KvikIO tasks of 16 MiB; less where the
+gpu_buffer budget is small (`write_staging_bytes`). A drained run is at most as large either way."""
 
 MAPPED_IO = True
 """A drain's kernels read a wave's sizes and offsets from pinned memory and store its checksums
