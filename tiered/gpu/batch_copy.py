@@ -4,7 +4,7 @@ A drain copies a wave's compressed rows, each from its own row of the slab, end 
 pinned host pages. One `copy_()` per row costs ~6 us of the host a row (torch's dispatch, then a
 driver call), hundreds of rows a wave; one call here issues a wave's runs of rows at once, from
 the rows where they lie, so no kernel has to pack them into a staging buffer first and no copy
-waits for one (`tiered.gpu.device.GpuDevice.issue_drain`).
+waits for one (`tiered.gpu.drain.Drainer`).
 
 The driver is reached through ctypes (`libcuda.so.1`, which every CUDA process has loaded): the
 call lets the GIL go while the driver queues the copies. CUDA 13 names the call
