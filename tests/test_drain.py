@@ -1,5 +1,6 @@
 """A drained wave's rows on their way to pinned host memory (tiered.gpu.drain): the host's share
-(each extent's padding) runs everywhere; the batched copies and the read-only checksum on a GPU."""
+(the pages that hold each extent's padding) runs everywhere; the batched copies and the read-only
+checksum on a GPU."""
 
 import numpy as np
 import pytest
@@ -8,17 +9,24 @@ import torch
 from tiered.format.chunks import extent_runs
 
 
-def test_the_host_zeroes_each_extents_padding_and_nothing_else():
-    from tiered.gpu.drain import zero_padding
+def test_the_host_zeroes_each_padded_extents_last_page_and_the_copies_land_over_it():
+    from tiered.gpu.drain import zero_tails
 
-    sizes = [5000, 4096, 1, 12000]
+    sizes = [5000, 4096, 0, 1, 12000, 8192]
     extents, bounds, offsets = extent_runs(sizes, 1 << 20)
-    assert bounds == [(0, 4, sum(extents))]
+    assert bounds == [(0, 6, sum(extents))]
     run = np.full(sum(extents), 0xAB, dtype=np.uint8)
-    zero_padding(run, offsets, np.asarray(sizes), extents)
+    zero_tails(run, offsets, np.asarray(sizes), extents)
     for off, size, extent in zip(offsets.tolist(), sizes, extents):
-        assert (run[off:off + size] == 0xAB).all()  # (the copies' bytes are left to them)
         assert (run[off + size:off + extent] == 0).all()
+        if size % 4096 == 0:  # (no padding: every byte is left to the copy)
+            assert (run[off:off + extent] == 0xAB).all()
+        else:  # (only the last page: the bytes before it are left alone)
+            assert (run[off:off + size // 4096 * 4096] == 0xAB).all()
+    for off, size in zip(offsets.tolist(), sizes):  # the copies, issued after it
+        run[off:off + size] = 7
+    for off, size, extent in zip(offsets.tolist(), sizes, extents):
+        assert (run[off:off + size] == 7).all() and (run[off + size:off + extent] == 0).all()
 
 
 def test_a_batch_of_mismatched_lengths_is_refused_naming_them():

@@ -7,8 +7,8 @@ write. Two ways, the first where it can:
 
 - **straight from the rows** (`DIRECT_COPIES`): the copy engines copy each row's compressed bytes
   where it lies in the slab into its place in the run, a run's rows in one driver call
-  (tiered.gpu.batch_copy); the host zeroes each extent's padding in the pinned pages itself, and
-  a kernel computes the checksums beside the copies, reading the rows and writing nothing. No
+  (tiered.gpu.batch_copy); the host zeroes the pinned page each extent's padding lies in just
+  before the copies (`zero_tails`), and a kernel computes the checksums beside the copies, reading the rows and writing nothing. No
   copy waits for a kernel, so none waits for SMs that training's kernels hold: beside a matmul
   loop on an H200, a wave's rows crossed at 54.3-55.1 GB/s this way, as one contiguous copy does
   (55.1), and at 50.6 GB/s packed first (docs/benchmarks.md, "Short training steps");
@@ -65,11 +65,15 @@ def wave_io(device: torch.device, sizes: Sequence[int], offsets: Any = 0,
     return io, io.to(device, non_blocking=True) if send else io
 
 
-def zero_padding(run: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, extents: Sequence[int]) -> None:
-    """Zero, in a run of host memory, each extent's bytes past its row's compressed size."""
-    for off, size, extent in zip(offsets.tolist(), sizes.tolist(), extents):
-        if extent > size:
-            run[off + size:off + extent] = 0
+def zero_tails(run: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, extents: Sequence[int]) -> None:
+    """Zero, in a run of host memory, the last 4 KiB page of each extent that has padding (bytes
+    past its row's compressed size): before the run's copies are issued, which then write the
+    row's bytes over the page's first part. One vectorized store a run (a loop over the rows,
+    zeroing each padding alone, held the writer thread, and the GIL, ~1 ms a wave)."""
+    ext = np.asarray(extents, dtype=np.int64)
+    padded = ext > sizes
+    if padded.any():
+        run.reshape(-1, ALIGNMENT)[(offsets[padded] + ext[padded]) // ALIGNMENT - 1] = 0
 
 
 class Drainer:
@@ -113,17 +117,17 @@ class Drainer:
         pages: WavePages | None = None
         with torch.cuda.device(dev.index):
             try:
-                # The copies first, so that the copy engine has them as soon as it can; then what
-                # no copy waits for: the padding (bytes no copy writes), the checksums.
+                # The copies first, so that the copy engine has them as soon as it can, each run's
+                # padded pages zeroed just before its copy (host stores, no GPU work); then the
+                # checksums, which no copy waits for.
                 copying.wait_event(seg.ready)  # (the wave's compression)
                 pages = WavePages(host.ring, [host.pages(total) for _, _, total in bounds], acquire, host.page)
                 for i, k, total in bounds:
                     page, release = pages.take(host.pages(total))
                     dst = host.view(page, total)
                     runs.append((i, k, dst, release))
+                    zero_tails(dst.numpy(), offsets[i:k], nbytes[i:k], extents[i:k])
                     batch_copy.copy_batch(dst.data_ptr() + offsets[i:k], sources[i:k], nbytes[i:k], copying)
-                for i, k, dst, _ in runs:
-                    zero_padding(dst.numpy(), offsets[i:k], nbytes[i:k], extents[i:k])
                 checking.wait_event(seg.ready)
                 with torch.cuda.stream(checking):
                     io, on_gpu = wave_io(dev.device, sizes, offsets // 4, send=not mapped)
