@@ -737,6 +737,56 @@ def test_the_writer_reads_queued_waves_sizes_only_while_the_copy_engine_is_idle(
                                                                          False], "up to the first not compressed"
 
 
+def test_the_writer_gives_slab_rows_back_once_copied_and_each_wave_once(monkeypatch):
+    """`RowsWriter` (on the CPU, with stand-ins for a device's drained waves): before each wave it
+    issues, the rows of the oldest issued waves whose copies are done go back, in order, up to the
+    first not done, before those waves are finished; finishing or aborting a wave gives its rows
+    back only if that did not, so every wave's rows go back exactly once."""
+    from types import SimpleNamespace
+
+    from tiered.gpu import write
+
+    monkeypatch.setattr(write, "DRAIN_DEPTH", 3)
+    released: list[int] = []
+
+    class Drained:
+        def __init__(self):
+            self.done, self.sizes, self.runs = False, [], []
+
+        def copied(self):
+            return self.done
+
+        def wait(self):
+            self.done = True
+            return []
+
+        def release_hosts(self):
+            self.done = True
+
+    device = SimpleNamespace(issue_drain=lambda seg, sizes, acquire: seg.drained)
+
+    def seg(n):
+        return SimpleNamespace(drain=True, device=device, sizes=lambda: [], drained=Drained(),
+                               release=lambda: released.append(n))
+
+    waves = [seg(n) for n in range(6)]
+    writer = write.RowsWriter(None, None, {})
+    for w in waves[:3]:
+        writer.add(w)
+    assert released == [], "nothing copied yet"
+    waves[0].drained.done = waves[2].drained.done = True
+    writer.add(waves[3])  # (four issued: the oldest is finished, its rows already back)
+    assert released == [0], "only up to the first wave not copied"
+    waves[1].drained.done = True
+    writer.add(waves[4])  # (1 and 2 go back before 4 is issued; 1 is then finished)
+    assert released == [0, 1, 2]
+    writer.flush()
+    assert released == [0, 1, 2, 3, 4]
+    writer.add(waves[5])
+    writer.abort()
+    assert released == [0, 1, 2, 3, 4, 5]
+
+
 def _script(name: str):
     """scripts/NAME.py as a module, loaded with the scripts' folder on sys.path (they import one
     another) and, while it loads, in sys.modules (its dataclasses look their module up there)."""

@@ -221,6 +221,11 @@ class DrainedRows:
         self.sums.synchronize()
         return unsigned(self.io[1])
 
+    def copied(self) -> bool:
+        """Whether the copies and the checksums are done, without waiting: nothing reads the
+        slab's rows any more."""
+        return self.done.query() and self.sums.query()
+
     def release_hosts(self) -> None:
         """After a failure: give the host pages back (once nothing copies into them any more, and
         no kernel stores into `io`)."""

@@ -36,8 +36,14 @@ from typing import Any, Callable, Sequence
 from tiered.format.manifest import ALIGNMENT
 from tiered.units import round_up
 
-DRAIN_DEPTH = 2
-"""Drained waves issued and not yet finished (placed, writes handed out)."""
+DRAIN_DEPTH = 4
+"""Drained waves issued and not yet finished (placed, writes handed out). With two, the writer
+began a wave's drain ~7 ms (median) before the copies ahead of it ended, and a longer hold of the
+writer (the GIL, beside a training thread) left the link idle; with four, ~14 ms. In the short-step
+loop on two H200 machines the stall moved within the machines' spread (docs/benchmarks.md, "Short
+training steps"). A wave's slab rows go back as soon as its copies are seen done (`RowsWriter`
+looks before each wave it issues), not when it is finished, so issuing further ahead does not
+keep the stager waiting for rows."""
 READ_AHEAD = 4
 """Queued waves whose sizes are read while the copy engine is idle (the stager encodes at most
 `tiered.gpu.waves.ENCODE_STREAMS` waves whose sizes are unread)."""
@@ -53,6 +59,8 @@ class RowsWriter:
                  timings: dict[str, float]):
         self.writer, self.place, self.timings = writer, place, timings
         self._issued: deque[tuple[Any, Any]] = deque()
+        self._released = 0
+        """How many of the oldest issued waves have given their slab rows back already."""
         self._first: float | None = None
         self._queue: "queue.Queue[Any] | None" = None
 
@@ -81,6 +89,7 @@ class RowsWriter:
         if self._first is None:
             self._first = t0
         try:
+            self._release_copied()
             sizes = seg.sizes()  # (waits for the wave's compression)
             t1 = self._add_time("write.sizes_ms", t0)
             if not seg.drain:
@@ -120,6 +129,16 @@ class RowsWriter:
                 return
             wave.settle()
 
+    def _release_copied(self) -> None:
+        """Give back the slab rows of the issued waves whose copies are done, oldest first,
+        without waiting for any (their chunks are placed and written later, in order)."""
+        for n in range(self._released, len(self._issued)):
+            seg, drained = self._issued[n]
+            if not drained.copied():
+                return
+            seg.release()
+            self._released = n + 1
+
     def flush(self) -> None:
         """Finish every issued wave: their chunks are placed and their writes started."""
         while self._finish_oldest():
@@ -130,10 +149,12 @@ class RowsWriter:
         then give both back (nothing of them is placed)."""
         while self._issued:
             seg, drained = self._issued.popleft()
+            released, self._released = self._released > 0, max(0, self._released - 1)
             try:
                 drained.release_hosts()
             finally:
-                seg.release()
+                if not released:
+                    seg.release()
 
     def _host_pages(self, ring: Any, pages: int) -> int:
         """`pages` host pages of `ring` for a drained run; where none are free, the waves issued
@@ -160,7 +181,10 @@ class RowsWriter:
             self._issued.appendleft((seg, drained))
             raise
         now = self._add_time("write.copy_wait_ms", t0)
-        seg.release()  # every copy out of the slab is done
+        if self._released:  # (its rows went back when its copies were seen done)
+            self._released -= 1
+        else:
+            seg.release()  # every copy out of the slab is done
         self.timings["write.drained_ms"] = round(1e3 * (now - self._first), 1)  # (first wave to the last copied)
         write = getattr(self.writer, "write_host_async", None)
         for n, (i, k, host, release) in enumerate(drained.runs):
