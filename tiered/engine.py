@@ -155,7 +155,7 @@ class Engine:
         issues the work) while training runs on, and `optimizer.step()` (what changes parameters and
         optimizer state) first makes its stream wait until that is done. The rest of the state
         (buffers, an EMA copy) is cloned in `save()` (tiered.stage.overlap; beyond a limit the save is
-        strict, logged once). Once a walk took 10 ms (a call's, or `reserve`'s after this; one
+        strict, logged once). Once a walk took 6 ms (a call's, or `reserve`'s after this; one
         process), later calls leave it to that thread, before the optimizer step: until then the
         state's dicts and non-tensor values must not change (`defer_walk=True`: from the first save
         or `reserve` after this, under torchrun DCP's plan too; False: never). `stage_after_ms`:
