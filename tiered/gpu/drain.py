@@ -8,10 +8,11 @@ write. Two ways, the first where it can:
 - **straight from the rows** (`DIRECT_COPIES`): the copy engines copy each row's compressed bytes
   where it lies in the slab into its place in the run, a run's rows in one driver call
   (tiered.gpu.batch_copy); the host zeroes the pinned page each extent's padding lies in just
-  before the copies (`zero_tails`), and a kernel computes the checksums beside the copies, reading the rows and writing nothing. No
-  copy waits for a kernel, so none waits for SMs that training's kernels hold: beside a matmul
-  loop on an H200, a wave's rows crossed at 54.3-55.1 GB/s this way, as one contiguous copy does
-  (55.1), and at 50.6 GB/s packed first (docs/benchmarks.md, "Short training steps");
+  before the copies (`zero_tails`), and a kernel computes the checksums beside the copies,
+  reading the rows and writing nothing. No copy waits for a kernel, so none waits for SMs that
+  training's kernels hold: beside a matmul loop on an H200, a wave's rows crossed at 54.3-55.1
+  GB/s this way, as one contiguous copy does (55.1), and at 50.6 GB/s packed first
+  (docs/benchmarks.md, "Short training steps");
 - **packed first**: a kernel packs each run's extents, padding zeroed and checksums computed in
   the same pass, into one of two GPU staging buffers, and one copy takes the run across (where
   the driver has no batched copies, 12.8 being the first with them, or Triton is missing).

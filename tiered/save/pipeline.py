@@ -57,7 +57,7 @@ DEFER_AFTER_MS = 6.0
 """A guarded save whose call walked and planned its state for this long makes the next saves
 walk on the stager thread (`guard` without `defer_walk`; in one process: under torchrun only
 `defer_walk=True` does). On one H200 a 24 GB state's walk cost training more in the call than on
-that thread, at 7,880 tensors (22-49 ms in the call) and at 1,940 (7.6 ms, steps of 0.37 s); a
+that thread, at 7,880 tensors (22-49 ms in the call) and at 1,940 (7.1 ms, steps of 0.37 s); a
 2.4 GB state's (788 tensors, 4.9 ms) less (docs/benchmarks.md; at 2 ranks)."""
 
 
