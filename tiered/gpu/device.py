@@ -281,7 +281,7 @@ class GpuDevice:
             if copies is None:
                 return done
             self.stream.wait_event(copies)
-            return _recorded(self.stream)
+            return self.stream.record_event()
 
     def _stage(self, plans, tensors, emit, on_block, after) -> torch.cuda.Event:
         clock = time.perf_counter
@@ -290,7 +290,7 @@ class GpuDevice:
                   "emit_ms": 0.0})
         t0 = clock()
         if not any(p.nbytes for p in plans):
-            return after if after is not None else _recorded(torch.cuda.current_stream(self.device))
+            return after if after is not None else torch.cuda.current_stream(self.device).record_event()
         nchunks = sum(p.nchunks for p in plans)
         self._ensure({p.spec for p in plans}, nchunks)
         ring, stride, pack = self._ring, self._stride, self._pack
@@ -338,7 +338,7 @@ class GpuDevice:
                 if timed is not None:
                     encode_clock.stop(enc, timed, {c.name for c, _, _ in wave.groups}, sum(wave.raw_sizes))
                 delivered = deliver_sizes(pendings)
-                sizes = self._last_waves[k] = WaveSizes(pendings, _recorded(enc), self.index,
+                sizes = self._last_waves[k] = WaveSizes(pendings, enc.record_event(), self.index,
                                                         None if delivered else self.quiet_copies, delivered)
             # (the next wave's pack reuses the pack buffer; the last wave's: the tensors are read)
             self.stream.wait_event(sizes.ready)
@@ -350,7 +350,7 @@ class GpuDevice:
             t["wait_encoder_ms"] += 1e3 * (t3e - t3)
             t["encode_ms"] += 1e3 * (t4 - t3e)
             t["emit_ms"] += 1e3 * (clock() - t4)
-        reads_done = _recorded(self.stream)  # (after every wave's encode: some read the tensors in place)
+        reads_done = self.stream.record_event()  # (after every wave's encode: some read the tensors in place)
         if after is None:
             torch.cuda.current_stream(self.device).wait_event(reads_done)
         return reads_done
@@ -500,9 +500,3 @@ class _Sources:
 def _warm_up(index: int) -> None:
     gpu_checksum.warm_up(index)
     batch_copy.warm_up(index)
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return ev

@@ -136,12 +136,9 @@ class Drainer:
                     if not mapped:
                         io[1].copy_(on_gpu[1], non_blocking=True)
             except BaseException:
-                for stream in (checking, copying):  # nothing issued here may still use the pages or rows
-                    stream.synchronize()
-                if pages is not None:
-                    pages.give_back()
+                _undo((checking, copying), pages)
                 raise
-            return _recorded(copying), _recorded(checking), io, runs
+            return copying.record_event(), checking.record_event(), io, runs
 
     def _packed(self, seg: RowsSegment, sizes: Sequence[int], acquire: Callable[[RowRing, int], int],
                 mapped: bool) -> tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor, list]:
@@ -174,7 +171,7 @@ class Drainer:
                     if not fused:
                         dev.pad_and_sum(seg, sizes, on_gpu)  # (in place, then gathered with torch copies)
                 if fused and not mapped:
-                    packing.wait_event(_recorded(side))
+                    packing.wait_event(side.record_event())
                 if fused:
                     with torch.cuda.stream(packing):
                         parts = gpu_checksum.partials(len(sizes), dev.device)
@@ -188,7 +185,7 @@ class Drainer:
                             if self._drained_from[slot] is not None:  # (its last copy out is done)
                                 packing.wait_event(self._drained_from[slot])
                             gpu_checksum.pack_and_checksum(seg.rows, on_gpu[0], parts, buffers[slot], on_gpu[2], i, k)
-                            copying.wait_event(_recorded(packing))
+                            copying.wait_event(packing.record_event())
                     else:
                         with torch.cuda.stream(copying):
                             gather_rows(seg, i, k, extents, buf)
@@ -198,30 +195,30 @@ class Drainer:
                     with torch.cuda.stream(copying):
                         dst.copy_(buf, non_blocking=True)
                     if fused:  # (the next packing into this buffer waits for it)
-                        self._drained_from[slot] = _recorded(copying)
+                        self._drained_from[slot] = copying.record_event()
                 if fused:
                     with torch.cuda.stream(packing):
                         gpu_checksum.sum_partials(parts, on_gpu[1])  # (mapped: into io[1] itself)
                     if not mapped:
-                        side.wait_event(_recorded(packing))
+                        side.wait_event(packing.record_event())
                 if not mapped:
                     with torch.cuda.stream(side):
                         io[1].copy_(on_gpu[1], non_blocking=True)
             except BaseException:
-                for stream in (packing, side, copying):  # nothing issued here may still use the pages or rows
-                    stream.synchronize()
-                if pages is not None:
-                    pages.give_back()
+                _undo((packing, side, copying), pages)
                 raise
-            return _recorded(copying), _recorded(side), io, runs
+            return copying.record_event(), side.record_event(), io, runs
+
+
+def _undo(streams: Sequence[torch.cuda.Stream], pages: WavePages | None) -> None:
+    """After a drain failed while issuing: wait until nothing issued on `streams` still uses the
+    wave's pages or rows, then give the pages taken so far back."""
+    for stream in streams:
+        stream.synchronize()
+    if pages is not None:
+        pages.give_back()
 
 
 def gather_rows(seg: RowsSegment, i: int, k: int, extents: Sequence[int], buf: torch.Tensor) -> None:
     """On the current stream: rows i..k-1's aligned extents end to end into `buf` (one fused copy)."""
     torch._foreach_copy_(list(buf.split(extents[i:k])), [seg.rows[r, :extents[r]] for r in range(i, k)])
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return ev

@@ -154,10 +154,7 @@ def pad_and_checksum(rows: torch.Tensor, sizes: torch.Tensor, sums: torch.Tensor
     """On the current stream: zero each row of `rows` ((k, stride) uint8, stride a multiple of
     4 KiB) from `sizes[r]` (int64, on the GPU) up to its 4 KiB-aligned extent, and write each row's
     wsum64 over that extent into `sums[r]` (int64; reinterpret as uint64)."""
-    if rows.shape[0]:
-        parts = partials(rows.shape[0], rows.device)
-        _launch(rows, sizes, parts, rows, sizes, 0, rows.shape[0], False)
-        sum_partials(parts, sums)
+    _sum_rows(rows, sizes, sums, store=True)
 
 
 def checksum_rows(rows: torch.Tensor, sizes: torch.Tensor, sums: torch.Tensor) -> None:
@@ -165,9 +162,14 @@ def checksum_rows(rows: torch.Tensor, sizes: torch.Tensor, sums: torch.Tensor) -
     `sizes[r]` on counted as zero, into `sums[r]`, as `pad_and_checksum` gives it; the rows are
     only read, so copies may read them at the same time (a drain's copies straight from the
     rows: tiered.gpu.drain)."""
+    _sum_rows(rows, sizes, sums, store=False)
+
+
+def _sum_rows(rows: torch.Tensor, sizes: torch.Tensor, sums: torch.Tensor, store: bool) -> None:
+    """Each row's wsum64 into `sums`, its padding zeroed in place where `store`."""
     if rows.shape[0]:
         parts = partials(rows.shape[0], rows.device)
-        _launch(rows, sizes, parts, rows, sizes, 0, rows.shape[0], False, store=False)
+        _launch(rows, sizes, parts, rows, sizes, 0, rows.shape[0], False, store=store)
         sum_partials(parts, sums)
 
 
