@@ -37,7 +37,6 @@ from tiered.format.chunks import ALIGNMENT
 from tiered.format.manifest import TensorRecord
 from tiered.gpu import batch_copy
 from tiered.gpu import pack as gpu_checksum
-from tiered.gpu import precompile
 from tiered.gpu.decode import CHECKSUM_ROWS, restore_on
 from tiered.gpu.drain import WRITE_STAGING, Drainer, gather_rows, wave_io, write_staging_bytes
 from tiered.gpu.layout import Layout, Span
@@ -101,9 +100,8 @@ class GpuDevice:
         self.pack_stream = torch.cuda.Stream(dev, priority=self.priority)
         self.io_stream = torch.cuda.Stream(dev, priority=self.priority)
         self.encode_streams = [torch.cuda.Stream(dev, priority=self.priority) for _ in range(ENCODE_STREAMS)]
-        # The save's kernels compile (~1-2 s, once; Triton caches them on disk: in a child process
-        # where the cache may not hold them, tiered.gpu.precompile) now, beside training, rather
-        # than inside the first save's drain; a batched copy is tried once.
+        # The checksum kernel compiles (~1-2 s, once; Triton caches it on disk) now, beside
+        # training, rather than inside the first save's drain; a batched copy is tried once.
         self._warm_up = threading.Thread(target=_warm_up, args=(self.index,), name="tiered-warm-up", daemon=True)
         self._warm_up.start()
 
@@ -500,6 +498,5 @@ class _Sources:
 
 
 def _warm_up(index: int) -> None:
-    precompile.ensure(index)  # (a cold Triton cache: compiled in a child, off this process's GIL)
     gpu_checksum.warm_up(index)
     batch_copy.warm_up(index)

@@ -217,20 +217,6 @@ def warm_up(device: int) -> None:
     _warm_deliver(device)
 
 
-def compile_ahead() -> None:
-    """Compile every variant of the kernels that `warm_up` runs, for the current device, without
-    launching them or allocating anything: Triton's `warmup`, given dtypes where tensors go (its
-    stand-ins point at address 0, which is aligned as the real tensors are). Only Triton's cache
-    on disk is written; the launches of this process then find them there
-    (tiered.gpu.precompile runs this in a child process)."""
-    i32, i64, grid = torch.int32, torch.int64, (1,)
-    for pack, store in ((False, True), (False, False), (True, True)):  # (pad, checksum only, pack)
-        _rows_kernel.warmup(i32, 1024, i64, i64, i32, i64, 0, PACK=pack, STORE=store, BLOCK=_BLOCK, SLICES=SLICES,
-                            num_warps=8, grid=grid)
-    _sum_kernel.warmup(i64, i64, 1024, SLICES=SLICES, ROWS=_SUM_ROWS, num_warps=4, grid=grid)
-    _deliver_kernel.warmup(i64, i32, i64, 2, BLOCK=1024, num_warps=4, grid=grid)
-
-
 def _warm_rows(device: int) -> None:
     if not _state["ok"]:
         return
