@@ -284,3 +284,40 @@ def test_an_index_is_parsed_with_the_collector_paused(tmp_path):
     assert len(index.tensors) == 3000 and gc.isenabled()
     # (at most one, at the pause's edges: its context manager allocates as it is entered and left)
     assert paused <= 1 and len(runs) - paused > 100, (paused, len(runs))
+
+
+def test_the_collector_stays_paused_until_the_last_of_overlapping_pauses_ends():
+    """`reserve()`'s call and its thread's plan (a save's call and the stager's) pause the
+    collector in blocks that overlap: it goes back on when the last ends, and stays off where it
+    was off before any of them."""
+    import gc
+    import threading
+
+    from tiered.format.tree import collector_paused
+
+    def overlap() -> dict[str, bool]:
+        inside, release, seen = threading.Event(), threading.Event(), {}
+
+        def other() -> None:
+            with collector_paused():
+                inside.set()
+                release.wait(10)
+                seen["the other's end"] = gc.isenabled()
+
+        thread = threading.Thread(target=other)
+        with collector_paused():
+            thread.start()
+            assert inside.wait(10)
+        seen["the first ended"] = gc.isenabled()
+        release.set()
+        thread.join()
+        seen["both ended"] = gc.isenabled()
+        return seen
+
+    assert gc.isenabled()
+    assert overlap() == {"the first ended": False, "the other's end": False, "both ended": True}
+    gc.disable()
+    try:
+        assert overlap() == {"the first ended": False, "the other's end": False, "both ended": False}
+    finally:
+        gc.enable()

@@ -42,6 +42,12 @@ def path_str(path: KeyPath) -> str:
     return out or "<root>"
 
 
+_pause_lock = threading.Lock()
+_pause = {"depth": 0, "enable": False}
+"""Blocks of `collector_paused` open in any thread, and whether the collector goes back on when
+the last one ends."""
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a bounded burst of allocation: `Engine.save`
@@ -51,15 +57,26 @@ def collector_paused() -> Iterator[None]:
     plan took 187-193 ms with it on and 38-39 ms paused, and a CPU save's call 243 ms against
     88 ms (docs/benchmarks.md). A restore parses as many (indexes, DCP's
     metadata and plans): parsing the DCP metadata of 10,480 tensors took 403 ms with it on and
-    128 ms paused. Refcounting still frees memory; the collector is back on, if it was, when the
-    block ends."""
-    was = gc.isenabled()
-    gc.disable()
+    128 ms paused. Refcounting still frees memory.
+
+    The collector is one per process, and blocks of several threads overlap (`reserve()`'s call
+    and its thread's plan; a save's call and the stager's): it is back on, if it was, when the
+    last open block ends, not the first. (Each block used to restore what it found, so a block
+    that began inside another's found it off and left it so, and the other block turned it back
+    on under it: `reserve()`'s thread then planned 7,880 tensors with it on, and a full pass of
+    the process on that thread held the GIL for ~180 ms on the CPU machine.)"""
+    with _pause_lock:
+        if _pause["depth"] == 0:
+            _pause["enable"] = gc.isenabled()
+            gc.disable()
+        _pause["depth"] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pause_lock:
+            _pause["depth"] -= 1
+            if _pause["depth"] == 0 and _pause["enable"]:
+                gc.enable()
 
 
 def age_kept() -> None:
