@@ -377,6 +377,40 @@ def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypa
     assert_same(state, target)
 
 
+def test_the_stager_plans_and_stages_with_the_collector_paused(tier_config, monkeypatch):
+    """A guarded save's walk, plan and staging on the stager thread make thousands of objects
+    that die young. With the collector on there (the call's own pause ended as it returned),
+    they set off full passes on that thread, each holding the GIL beside training: three in 16
+    saves of 7,920 CPU tensors on the CPU machine, 156-198 ms each, against one in a loop that
+    made the same state dicts without saving. They run paused."""
+    import gc
+    import threading
+    import time
+
+    from tiered.save.pipeline import SavePipeline
+
+    seen: list[bool] = []
+    real = SavePipeline._stage
+
+    def stage(self, job, strict=False):
+        if threading.current_thread().name.startswith("tiered-stager"):
+            time.sleep(0.05)  # (the save's call, and its pause, are over by now)
+            seen.append(gc.isenabled())
+        return real(self, job, strict)
+
+    monkeypatch.setattr(SavePipeline, "_stage", stage)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    with tiered.Engine.from_config(tier_config("none")) as engine:
+        engine.guard(optimizer)
+        for step in (1, 2):
+            engine.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()}).wait()
+    assert seen == [False, False]
+    assert gc.isenabled()
+
+
 def test_a_save_keeps_no_object_per_tensor_alive_for_the_collector(tier_config):
     """What a save keeps alive until its step is written, Python's collector moves to its oldest
     generation, and enough of it sets off a full pass that holds the GIL beside training (180-224

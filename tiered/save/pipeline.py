@@ -190,9 +190,10 @@ class SavePipeline:
             try:
                 if job.overlapped:
                     self._stage_after.wait(job.started, job.hurry, job.step, job.handle.timings)
-                if job.plan is None:
-                    self._plan_deferred(job)
-                self._stage(job)
+                with tree.collector_paused():  # (a save's views and records die young: none are promoted)
+                    if job.plan is None:
+                        self._plan_deferred(job)
+                    self._stage(job)
             except BaseException:  # noqa: BLE001 - the writer records it (BackgroundSaveError)
                 for index in job.plan.gpu if job.plan is not None else ():  # nothing of it may still read the state
                     self.workers.device(index).stream.synchronize()
@@ -448,32 +449,31 @@ class SavePipeline:
         return handle
 
     def _plan_deferred(self, job: Job) -> None:
-        """On the stager thread, for a deferred save: walk and plan its state as `save` would, and
-        replace its unguarded tensors with the clones save() made (tiered.stage.overlap.deferred_plan).
-        A failure is handed to the writer, as `_stage`'s."""
+        """On the stager thread (the collector paused), for a deferred save: walk and plan its state as
+        `save` would, and replace its unguarded tensors with the clones save() made
+        (tiered.stage.overlap.deferred_plan). A failure is handed to the writer, as `_stage`'s."""
         t0 = time.perf_counter()
         handle = job.handle
         try:
-            with tree.collector_paused():
-                state = job.state(handle.timings) if job.rank_only else job.state  # (distributed: DCP's items)
-                skeleton, leaves = tree.flatten(state, share=not job.rank_only)
-                job.state = None
-                t1 = time.perf_counter()
-                tier = job.tier = self._tiers.begin(job.step, leaves, self.rank if job.rank_only else None)
-                t2 = time.perf_counter()
-                plan = self._plan(tier, leaves, tree.structure_of(state))
-                del state
-                for index in plan.gpu:
-                    if index not in job.after:  # (a GPU the last save had no tensor on: read once it is idle)
-                        torch.cuda.synchronize(index)
-                        job.after[index] = None
-                got = deferred_plan(plan, Guarded(self._guards), _free_gpu, job.clones,
-                                    lambda t: clone_after(t, job.after, lambda i: self.workers.device(i).stream))
-                job.clones, job.held = {}, [plan.tensors[i] for i in got.new]
-                if got.why:  # (too large to clone: the next save is planned in its call, and staged strictly)
-                    self._learned = None
-                elif tier is self.tier:
-                    self._learn(plan, got.unguarded)
+            state = job.state(handle.timings) if job.rank_only else job.state  # (distributed: DCP's items)
+            skeleton, leaves = tree.flatten(state, share=not job.rank_only)
+            job.state = None
+            t1 = time.perf_counter()
+            tier = job.tier = self._tiers.begin(job.step, leaves, self.rank if job.rank_only else None)
+            t2 = time.perf_counter()
+            plan = self._plan(tier, leaves, tree.structure_of(state))
+            del state
+            for index in plan.gpu:
+                if index not in job.after:  # (a GPU the last save had no tensor on: read once it is idle)
+                    torch.cuda.synchronize(index)
+                    job.after[index] = None
+            got = deferred_plan(plan, Guarded(self._guards), _free_gpu, job.clones,
+                                lambda t: clone_after(t, job.after, lambda i: self.workers.device(i).stream))
+            job.clones, job.held = {}, [plan.tensors[i] for i in got.new]
+            if got.why:  # (too large to clone: the next save is planned in its call, and staged strictly)
+                self._learned = None
+            elif tier is self.tier:
+                self._learn(plan, got.unguarded)
             if got.new and (got.why or not self._logged_new):
                 self._logged_new = True
                 say_new(job.step, got, tree.path_str(leaves[got.new[0]].path))
