@@ -61,10 +61,10 @@ def collector_paused() -> Iterator[None]:
 
     The collector is one per process, and blocks of several threads overlap (`reserve()`'s call
     and its thread's plan; a save's call and the stager's): it is back on, if it was, when the
-    last open block ends, not the first. (Each block used to restore what it found, so a block
-    that began inside another's found it off and left it so, and the other block turned it back
-    on under it: `reserve()`'s thread then planned 7,880 tensors with it on, and a full pass of
-    the process on that thread held the GIL for ~180 ms on the CPU machine.)"""
+    last open block ends, not the first. Back on when the first ends, the other thread's burst
+    runs with it on: planning 7,880 tensors on `reserve()`'s thread so set off a full pass of the
+    process there that held the GIL 156-193 ms on the CPU machine (docs/architecture.md, "Why
+    `reserve()`, and why it works on a thread of its own")."""
     with _pause_lock:
         if _pause["depth"] == 0:
             _pause["enable"] = gc.isenabled()
