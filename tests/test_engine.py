@@ -380,9 +380,9 @@ def test_reserve_makes_the_chunk_records_of_the_first_save(tier_config, monkeypa
 def test_the_stager_plans_and_stages_with_the_collector_paused(tier_config, monkeypatch):
     """A guarded save's walk, plan and staging on the stager thread make thousands of objects
     that die young. With the collector on there (the call's own pause ended as it returned),
-    they set off full passes on that thread, each holding the GIL beside training: three in 16
-    saves of 7,920 CPU tensors on the CPU machine, 156-198 ms each, against one in a loop that
-    made the same state dicts without saving. They run paused."""
+    they set off full passes on that thread, each holding the GIL beside training: two in 16
+    saves of 7,920 CPU tensors on the CPU machine, 173-221 ms each; after, one in 16 saves, on the
+    main thread, as in a loop that made the same state dicts without saving. They run paused."""
     import gc
     import threading
     import time

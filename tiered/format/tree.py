@@ -63,7 +63,7 @@ def collector_paused() -> Iterator[None]:
     and its thread's plan; a save's call and the stager's): it is back on, if it was, when the
     last open block ends, not the first. Back on when the first ends, the other thread's burst
     runs with it on: planning 7,880 tensors on `reserve()`'s thread so set off a full pass of the
-    process there that held the GIL 156-193 ms on the CPU machine (docs/architecture.md, "Why
+    process there that held the GIL 156-182 ms on the CPU machine (docs/architecture.md, "Why
     `reserve()`, and why it works on a thread of its own")."""
     with _pause_lock:
         if _pause["depth"] == 0:
