@@ -62,6 +62,15 @@ def _where(frame: Any) -> str | None:
     return f"{_place(frame)} <- {_place(ours)}"
 
 
+def _inside(frame: Any, codes: frozenset) -> bool:
+    """Whether `frame` or a caller of it runs one of `codes`."""
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class GilWaits:
     """`with GilWaits() as gil: ...`; then `gil.ms` (the sum of the late wake-ups), `gil.max_ms`,
     `gil.count`, and `gil.where` (a Counter of ``thread: place`` over those wake-ups)."""
@@ -74,19 +83,23 @@ class GilWaits:
         """Where the thread that entered the span was at each wake-up of its first `main_ms` (with
         ``(late)`` where that wake-up was `long_ms` or more late)."""
         self._main: int | None = None
+        self._entered = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gil-watch", daemon=True)
 
     def _run(self) -> None:
         period, long_ms = self.period, self.long_ms
+        self._entered.wait()  # (the span begins once __enter__ is past starting this thread)
         until = time.perf_counter() + self.main_ms / 1e3
         while not self._stop.is_set():
             t = time.perf_counter()
             time.sleep(period)
             late = 1e3 * (time.perf_counter() - t - period)
+            if self._stop.is_set():  # (the span's thread is in __exit__, joining this one)
+                break
             if t < until:
                 frame = sys._current_frames().get(self._main)
-                if frame is not None:
+                if frame is not None and not _inside(frame, _OWN):  # (not this span's own start or end)
                     self.main_where[_place(frame) + (" (late)" if late >= long_ms else "")] += 1
             if late < long_ms:
                 continue
@@ -101,7 +114,8 @@ class GilWaits:
 
     def __enter__(self) -> "GilWaits":
         self._main = threading.get_ident()
-        self._thread.start()
+        self._thread.start()  # (its wait for the thread to start is not the span's)
+        self._entered.set()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -126,3 +140,7 @@ class GilWaits:
                 "gil_where": [f"{n}x {place}" for place, n in self.where.most_common(top)],
                 "main_first_ms": self.main_ms,
                 "main_where": [f"{n}x {place}" for place, n in self.main_where.most_common(top)]}
+
+
+_OWN = frozenset({GilWaits.__enter__.__code__, GilWaits.__exit__.__code__})
+"""The span's own start and end: no place of the span's thread is noted inside them."""
