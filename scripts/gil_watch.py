@@ -83,20 +83,16 @@ class GilWaits:
         """Where the thread that entered the span was at each wake-up of its first `main_ms` (with
         ``(late)`` where that wake-up was `long_ms` or more late)."""
         self._main: int | None = None
-        self._entered = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gil-watch", daemon=True)
 
     def _run(self) -> None:
         period, long_ms = self.period, self.long_ms
-        self._entered.wait()  # (the span begins once __enter__ is past starting this thread)
         until = time.perf_counter() + self.main_ms / 1e3
         while not self._stop.is_set():
             t = time.perf_counter()
             time.sleep(period)
             late = 1e3 * (time.perf_counter() - t - period)
-            if self._stop.is_set():  # (the span's thread is in __exit__, joining this one)
-                break
             if t < until:
                 frame = sys._current_frames().get(self._main)
                 if frame is not None and not _inside(frame, _OWN):  # (not this span's own start or end)
@@ -114,8 +110,7 @@ class GilWaits:
 
     def __enter__(self) -> "GilWaits":
         self._main = threading.get_ident()
-        self._thread.start()  # (its wait for the thread to start is not the span's)
-        self._entered.set()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -385,16 +385,16 @@ def test_the_stager_plans_and_stages_with_the_collector_paused(tier_config, monk
     main thread, as in a loop that made the same state dicts without saving. They run paused."""
     import gc
     import threading
-    import time
 
     from tiered.save.pipeline import SavePipeline
 
     seen: list[bool] = []
+    returned = threading.Event()
     real = SavePipeline._stage
 
     def stage(self, job, strict=False):
         if threading.current_thread().name.startswith("tiered-stager"):
-            time.sleep(0.05)  # (the save's call, and its pause, are over by now)
+            assert returned.wait(60)  # (the save's call, and its pause, are over)
             seen.append(gc.isenabled())
         return real(self, job, strict)
 
@@ -406,7 +406,10 @@ def test_the_stager_plans_and_stages_with_the_collector_paused(tier_config, monk
     with tiered.Engine.from_config(tier_config("none")) as engine:
         engine.guard(optimizer)
         for step in (1, 2):
-            engine.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()}).wait()
+            handle = engine.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+            returned.set()
+            handle.wait()
+            returned.clear()
     assert seen == [False, False]
     assert gc.isenabled()
 
